@@ -1,0 +1,332 @@
+"""``compact(...)``: compact a document into a :class:`~arckv_press.cache.CompactCache`.
+
+The flow of one compaction (ARCHITECTURE.md): prefill ``prefix + document`` -> repeat-prefill
+capturing reference queries -> per compacted layer, all KV heads at once, ``compact_layer``
+(select, merge, fit) -> packed compact layers with the prefix kept verbatim.
+
+``ratio`` is the kept fraction rho = t/T (paper convention). ``ratio=1.0`` keeps every position
+with beta = 0 and the original values, so outputs equal the normal cache's.
+
+Which tokens are compacted: exactly the document tokens. The framing prefix (chat template up to
+the user message, or BOS) stays uncompressed; questions appended later see the compacted document
+and the verbatim prefix. The same framing is used for the prefill and the repeat-prefill.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from arckv_press import __version__
+from arckv_press.attention import enable_compact_attention
+from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, pack_heads
+from arckv_press.capture import QueryCapture, framing_for, prefill, repeat_prefill
+from arckv_press.compaction.fit import FitConfig
+from arckv_press.compaction.layer import AM_VARIANTS, ARCKV_SELECTORS, LayerMethod, compact_layer
+from arckv_press.compaction.reference import group_activations, group_queries_by_kv_head, mix_sources
+from arckv_press.compaction.select import per_head_budgets
+
+__all__ = ["CompactionConfig", "compact", "compact_prefilled", "METHODS", "encode_document", "CompactionReport"]
+
+METHODS = tuple(ARCKV_SELECTORS) + tuple(AM_VARIANTS)
+
+
+@dataclass
+class CompactionConfig:
+    """Options of one compaction (defaults follow the paper where it gives one).
+
+    Attributes:
+        method: ``arckv`` (learned indexer), ``arckv-ha``, ``arckv-vi``, ``am-omp``,
+            ``am-omp-fast`` or ``am-ha``.
+        ratio: kept fraction rho in (0, 1].
+        lambda_m: key-merging coefficient (paper: 0.25 for QuALITY/RULER).
+        pooling: ``rms`` (paper Eq. (indexer_pooling)), ``mean`` or ``max``.
+        query_budget: reference-query rows per KV head (G rows per captured position).
+        context_fraction: share of reference rows taken from the context's own prefill queries
+            (AM's "context-prefill" option) instead of the repeat-prefill; 0 = paper default.
+        repeat_chunk: document tokens repeated per forward of the chunked repeat-prefill.
+        budget_weights: per layer-head weights a(l, h) ``[L, H]`` (tensor or path to a
+            ``.pt``/``.safetensors`` file); None = the indexer checkpoint's weights for ``arckv``,
+            uniform otherwise.
+        indexer: indexer checkpoint path (or a loaded indexer); None = shipped default.
+        min_length: shortest document (tokens) accepted.
+        seed: seed of every random choice (reference-row subsampling).
+        progress: show tqdm progress bars.
+    """
+
+    method: str = "arckv"
+    ratio: float = 0.1
+    lambda_m: float = 0.25
+    pooling: str = "rms"
+    query_budget: int = 2048
+    context_fraction: float = 0.0
+    repeat_chunk: int = 2048
+    budget_weights: torch.Tensor | str | Path | None = None
+    indexer: object = None
+    fit: FitConfig = field(default_factory=FitConfig)
+    chunk_len: int = 4096
+    chunk_min_length: int = 10_000
+    min_length: int = 16
+    seed: int = 0
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; expected one of {list(METHODS)}")
+        if not isinstance(self.ratio, (int, float)) or not (0.0 < self.ratio <= 1.0) or math.isnan(self.ratio):
+            raise ValueError(f"ratio is the kept fraction and must be in (0, 1], got {self.ratio!r}")
+        if not 0.0 <= self.context_fraction <= 1.0:
+            raise ValueError(f"context_fraction must be in [0, 1], got {self.context_fraction}")
+        if self.query_budget < 1 or self.repeat_chunk < 1:
+            raise ValueError("query_budget and repeat_chunk must be positive")
+
+    def layer_method(self) -> LayerMethod:
+        return LayerMethod(self.method, self.lambda_m, self.pooling, self.chunk_len, self.chunk_min_length, self.fit)
+
+
+@dataclass
+class CompactionReport:
+    """What one compaction did: per-stage seconds, sizes and the realised ratio."""
+
+    original_length: int
+    prefix_length: int
+    timings: dict[str, float]
+    compact_bytes: int
+    full_bytes: int
+    realised_ratio: float
+    reference_rows: int
+
+
+def encode_document(tokenizer, text: str, use_chat_template: bool | None = None) -> tuple[torch.Tensor, int]:
+    """``prefix + document`` token ids ``[1, P + T]`` and the prefix length ``P`` (kvpress framing)."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("the context to compact is empty")
+    framing = framing_for(tokenizer, use_chat_template)
+    doc = tokenizer.encode(text, add_special_tokens=False)
+    ids = torch.tensor([framing.prefix_ids + doc], dtype=torch.long)
+    return ids, len(framing.prefix_ids)
+
+
+def _load_weights(weights, shape: tuple[int, int]) -> torch.Tensor | None:
+    if weights is None:
+        return None
+    if isinstance(weights, (str, Path)):
+        path = Path(weights)
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(path))
+            if len(tensors) != 1:
+                raise ValueError(f"{path}: expected one tensor of budget weights, found {list(tensors)}")
+            weights = next(iter(tensors.values()))
+        else:
+            weights = torch.load(path, map_location="cpu", weights_only=True)
+    weights = torch.as_tensor(weights, dtype=torch.float64)
+    if tuple(weights.shape) != shape:
+        raise ValueError(f"budget weights have shape {tuple(weights.shape)}, expected {shape} (compacted layers x KV heads)")
+    return weights
+
+
+def _resolve_indexer(config: CompactionConfig, model):
+    if config.method != "arckv":
+        return None
+    if config.indexer is not None and not isinstance(config.indexer, (str, Path)):
+        return config.indexer
+    from arckv_press.indexer.checkpoint import default_indexer_path, load_indexer
+    from arckv_press.models import config_hash, model_id
+
+    mid = model_id(model)
+    path = config.indexer or default_indexer_path(mid)
+    if path is None:
+        raise ValueError(
+            f"no value-aware indexer is shipped for {mid!r}: pass indexer=<checkpoint path> "
+            "(train one with scripts/train_indexer.py) or use a training-free method (arckv-ha, arckv-vi)"
+        )
+    return load_indexer(path, model_id=mid, config_hash=config_hash(model.config))
+
+
+def _reference_positions(T: int, G: int, config: CompactionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document positions whose repeat / context queries are captured (``query_budget // G`` in all)."""
+    n_pos = max(1, config.query_budget // G)
+    return mix_sources(T, T, config.context_fraction, n_pos, config.seed)
+
+
+def compact(
+    model,
+    tokenizer,
+    context: str,
+    method: str = "arckv",
+    ratio: float = 0.1,
+    use_chat_template: bool | None = None,
+    **options,
+) -> CompactCache:
+    """Prefill ``context`` and compact its document tokens with ``method`` at kept fraction ``ratio``.
+
+    Returns a :class:`CompactCache` (batch size 1) for ``model``; the model's attention is switched
+    to the ARC-KV function (:func:`arckv_press.attention.enable_compact_attention`), which behaves
+    as before on ordinary caches. Ask questions by feeding ``question + suffix`` tokens (see
+    :func:`arckv_press.capture.framing_for`) with ``past_key_values=cache``.
+    """
+    config = CompactionConfig(method=method, ratio=ratio, **options)
+    ids, prefix_len = encode_document(tokenizer, context, use_chat_template)
+    cache = DynamicCache(config=model.config)
+    return compact_prefilled(model, tokenizer, cache, ids, prefix_len, config, use_chat_template=use_chat_template)
+
+
+def compact_prefilled(
+    model,
+    tokenizer,
+    cache,
+    context_ids: torch.Tensor,
+    prefix_len: int,
+    config: CompactionConfig,
+    already_prefilled: bool = False,
+    context_queries=None,
+    use_chat_template: bool | None = None,
+) -> CompactCache:
+    """Compact the document ``context_ids[:, prefix_len:]`` held in ``cache``, in place.
+
+    ``cache`` is prefilled here unless ``already_prefilled`` (the press path, where kvpress's
+    pipeline ran the prefill; then ``context_queries`` holds queries captured during it, if any).
+    The compacted layers of ``cache`` are replaced by :class:`CompactLayer` objects; a
+    ``CompactCache`` sharing those layers is returned.
+    """
+    from arckv_press.models import config_hash, describe_attention_layout, model_id
+
+    if context_ids.ndim != 2 or context_ids.shape[0] != 1:
+        raise ValueError(f"compaction supports batch size 1 only, got context ids of shape {tuple(context_ids.shape)}")
+    layout = describe_attention_layout(model)
+    T = context_ids.shape[1] - prefix_len
+    if T < config.min_length:
+        raise ValueError(f"the document has {T} tokens; at least {config.min_length} are needed to compact it")
+    layers = list(layout.full_attention_layers)
+    H, G = layout.num_kv_heads, layout.group_size
+    timings: dict[str, float] = {}
+    repeat_pos, context_pos = _reference_positions(T, G, config)
+
+    full_bytes = 0
+    t0 = time.perf_counter()
+    if not already_prefilled:
+        if config.ratio < 1.0 and context_pos.numel():
+            context_queries = _prefill_capturing(model, cache, context_ids, layers, context_pos + prefix_len)
+        else:
+            prefill(model, context_ids, cache)
+    timings["prefill"] = time.perf_counter() - t0 if not already_prefilled else 0.0
+
+    indexer = _resolve_indexer(config, model) if config.ratio < 1.0 else None
+    weights = _load_weights(config.budget_weights, (len(layers), H))
+    if weights is None and indexer is not None and getattr(indexer, "budget_weights", None) is not None:
+        weights = indexer.budget_weights[list(layers)] if indexer.budget_weights.shape[0] != len(layers) else indexer.budget_weights
+    budgets = per_head_budgets(T, config.ratio, weights, len(layers), H)
+
+    repeat_store = None
+    if config.ratio < 1.0 and repeat_pos.numel():
+        t0 = time.perf_counter()
+        framing = framing_for(tokenizer, use_chat_template)
+        bar = _progress(config, T, "repeat-prefill")
+        repeat_store = repeat_prefill(
+            model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, layers, repeat_pos,
+            config.repeat_chunk, bar,
+        )
+        if bar is not None:
+            bar.close()
+        timings["repeat_prefill"] = time.perf_counter() - t0
+
+    method = config.layer_method()
+    n_rows = 0
+    bar = _progress(config, len(layers), f"compact ({config.method})", unit="layer")
+    for li, layer_idx in enumerate(layers):
+        dyn = cache.layers[layer_idx]
+        keys, values = dyn.keys, dyn.values
+        full_bytes += keys.nbytes + values.nbytes
+        K, V = keys[0, :, prefix_len:], values[0, :, prefix_len:]
+        fixed_k, fixed_v = keys[:, :, :prefix_len], values[:, :, :prefix_len]
+        if config.ratio >= 1.0:
+            C_k, beta, C_v = K.reshape(-1, K.shape[-1]), K.new_zeros(H * T, dtype=torch.float32), V.reshape(-1, V.shape[-1])
+            lengths = torch.full((H,), T, dtype=torch.long, device=K.device)
+        else:
+            X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H)
+            n_rows = Q.shape[1]
+            res = compact_layer(
+                K, V, Q, budgets[li].to(K.device), _scaling(model, layer_idx), method,
+                X=group_activations(X, G) if X is not None else None, indexer=indexer, layer_idx=layer_idx,
+            )
+            for stage, sec in res.timings.items():
+                timings[stage] = timings.get(stage, 0.0) + sec
+            C_k, lengths = pack_heads(res.C_k, res.valid)
+            beta, _ = pack_heads(res.beta, res.valid)
+            C_v, _ = pack_heads(res.C_v, res.valid)
+        cache.layers[layer_idx] = CompactLayer(
+            C_k.to(keys.dtype), beta, C_v.to(values.dtype), lengths, T, layer_idx, fixed_k, fixed_v
+        )
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    enable_compact_attention(model)
+    result = CompactCache(list(cache.layers), None)
+    report = CompactionReport(
+        original_length=T,
+        prefix_length=prefix_len,
+        timings=timings,
+        compact_bytes=result.compact_nbytes(),
+        full_bytes=full_bytes,
+        realised_ratio=result.realised_ratio(),
+        reference_rows=n_rows,
+    )
+    result.metadata = CacheMetadata(
+        model_id=model_id(model),
+        config_hash=config_hash(model.config),
+        method=config.method,
+        ratio=float(config.ratio),
+        original_length=int(context_ids.shape[1]),
+        package_version=__version__,
+        extra={"prefix_length": prefix_len, "lambda_m": config.lambda_m, "report": report.__dict__},
+    )
+    result.report = report
+    return result
+
+
+def _progress(config: CompactionConfig, total: int, desc: str, unit: str = "tok"):
+    if not config.progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, leave=False)
+
+
+def _scaling(model, layer_idx: int) -> float:
+    from arckv_press.capture import decoder_layers
+
+    return float(decoder_layers(model)[layer_idx].self_attn.scaling)
+
+
+def _prefill_capturing(model, cache, context_ids, layers, rows):
+    with QueryCapture(model, layers) as cap:
+        prefill(model, context_ids, cache, cap, rows=rows)
+    return cap.store
+
+
+def _layer_queries(layer_idx: int, repeat_store, context_store, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``X [n, d_x]`` and ``Q [H_kv, G * n, D]`` from the repeat and context captures of a layer."""
+    xs, qs = [], []
+    for store in (repeat_store, context_store):
+        if store is not None and layer_idx in store.x:
+            x, q = store.layer(layer_idx)
+            xs.append(x)
+            qs.append(q)
+    if not xs:
+        raise ValueError(f"layer {layer_idx}: no reference queries were captured")
+    x, q = torch.cat(xs, dim=0), torch.cat(qs, dim=1)
+    return x, group_queries_by_kv_head(q[None], H)
+
+
+def with_method(config: CompactionConfig, **changes) -> CompactionConfig:
+    """A copy of ``config`` with fields changed (validated again)."""
+    return replace(config, **changes)

@@ -1,0 +1,163 @@
+"""``arckv`` command line: compact a text once, ask it many questions, or run the demo.
+
+- ``arckv compact FILE --method arckv-ha --ratio 0.1 -o FILE.arckv``
+- ``arckv ask FILE.arckv "question" ["question" ...]``
+- ``arckv demo`` (the README's main job: a needle in a haystack, answered with the full cache and
+  with each compaction method, with cache sizes and times)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["main"]
+
+DEMO_METHODS = ("none", "arckv", "arckv-ha", "arckv-vi", "am-omp-fast", "am-ha", "snapkv", "kvzip", "expected_attention")
+RULER_INSTRUCTION = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n"
+)
+
+
+def _load(args):
+    from arckv_press.models import load_model
+
+    return load_model(args.model, dtype=args.dtype)
+
+
+def cmd_compact(args) -> int:
+    from arckv_press.api import compact
+
+    text = Path(args.file).read_text(encoding="utf-8")
+    model, tok = _load(args)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        cache = compact(model, tok, text, method=args.method, ratio=args.ratio, lambda_m=args.lambda_m, progress=True)
+    seconds = time.perf_counter() - t0
+    out = Path(args.output or f"{args.file}.arckv")
+    cache.save(out)
+    r = cache.report
+    print(
+        f"compacted {r.original_length} tokens with {args.method} at ratio {args.ratio} in {seconds:.1f} s: "
+        f"{r.compact_bytes / 2**20:.2f} MiB (full {r.full_bytes / 2**20:.2f} MiB, realised ratio "
+        f"{r.realised_ratio:.3f}) -> {out}"
+    )
+    return 0
+
+
+def cmd_ask(args) -> int:
+    from arckv_press.attention import enable_compact_attention
+    from arckv_press.cache import CompactCache
+    from arckv_press.generation import answer
+
+    model, tok = _load(args)
+    cache = CompactCache.load(args.cache, model)
+    enable_compact_attention(model)
+    for q in args.questions:
+        print(f"Q: {q}\nA: {answer(model, tok, cache, q, args.max_new_tokens, args.answer_prefix)}\n")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from kvpress import KVPressTextGenerationPipeline  # noqa: F401  (registers the pipeline)
+    from transformers import DynamicCache, pipeline
+
+    from arckv_press.haystack import load_haystack, make_needle, needle_context
+    from arckv_press.registry import make_press
+
+    model, tok = _load(args)
+    needle = make_needle(args.seed)
+    context = RULER_INSTRUCTION + needle_context(tok, load_haystack(args.haystack), args.tokens, args.depth, needle)
+    n_ctx = len(tok.encode(context, add_special_tokens=False))
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok)
+    print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded default)'}, context {n_ctx} tokens, "
+          f"needle at depth {args.depth}: {needle.sentence.strip()!r}")
+    print(f"question: {needle.question}\n")
+    print(f"{'method':<20}{'kept':>6}{'cache MiB':>11}{'seconds':>9}  answer")
+    for name in args.methods:
+        ratio = 1.0 if name == "none" else args.ratio
+        try:
+            press = make_press(name, ratio)
+        except ValueError as err:  # e.g. no indexer shipped for this model
+            print(f"{name:<20}{'-':>6}{'-':>11}{'-':>9}  skipped: {err}")
+            continue
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                cache = DynamicCache(config=model.config)
+                out = pipe(context, question=needle.question, answer_prefix=needle.prefix(), press=press,
+                           max_new_tokens=args.max_new_tokens, cache=cache)
+        except ValueError as err:
+            print(f"{name:<20}{'-':>6}{'-':>11}{'-':>9}  skipped: {err}")
+            continue
+        seconds = time.perf_counter() - t0
+        mib = _cache_bytes(cache) / 2**20
+        ok = "OK " if needle.value in out["answer"] else "-- "
+        print(f"{name:<20}{ratio:>6.2f}{mib:>11.2f}{seconds:>9.1f}  {ok}{out['answer'].strip()!r}")
+    return 0
+
+
+def _cache_bytes(cache) -> int:
+    from arckv_press.cache import CompactLayer
+
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, CompactLayer):
+            total += layer.nbytes()
+        elif layer.is_initialized:
+            total += layer.keys.nbytes + layer.values.nbytes
+    return total
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from arckv_press.api import METHODS
+
+    parser = argparse.ArgumentParser(prog="arckv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("compact", help="prefill and compact a text file, save the compact cache")
+    p.add_argument("file")
+    p.add_argument("--method", default="arckv", choices=list(METHODS))
+    p.add_argument("--ratio", type=float, default=0.1, help="kept fraction rho in (0, 1]")
+    p.add_argument("--lambda-m", type=float, default=0.25)
+    p.add_argument("-o", "--output")
+    p.set_defaults(func=cmd_compact)
+
+    p = sub.add_parser("ask", help="answer questions from a saved compact cache")
+    p.add_argument("cache")
+    p.add_argument("questions", nargs="+")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--answer-prefix", default="")
+    p.set_defaults(func=cmd_ask)
+
+    p = sub.add_parser("demo", help="needle-in-a-haystack with the full cache and each method")
+    p.add_argument("--tokens", type=int, default=2000)
+    p.add_argument("--depth", type=float, default=0.5)
+    p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--haystack", default=None, help="text file (default: ../shared/data/ruler/pg_essays.txt or noise)")
+    p.add_argument("--methods", nargs="+", default=list(DEMO_METHODS))
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.dtype = getattr(torch, args.dtype)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"arckv: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

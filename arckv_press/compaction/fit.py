@@ -1,0 +1,525 @@
+"""Attention-mass bias and compact value fitting (paper App. "Attention Mass and Compact
+Value Fitting", Eqs. (mass_fit), (value_lstsq)) and the attention operators
+(paper Eqs. (full_attention), (compact_attention)).
+
+All row-wise quantities are computed blockwise over query rows (``block_rows``): only the
+normal equations ``[H, t, t]`` / ``[H, t, D]`` are accumulated, in float64, and solved with a
+batched Cholesky factorisation (never LU: batched float64 ``torch.linalg.solve`` can hang on
+this CPU build). Logits/exponentials are computed in float32 (float64 for float64 inputs).
+Results are returned in the dtype of ``K`` except the diagnostic mass weights ``w``
+(float32, so that ``w <= 0`` is exact for dead-anchor counts).
+
+Invalid (padded) slots are handled by masking: their columns are removed from every design
+matrix, their rows/columns of the normal equations are replaced by the identity, and they
+come back as beta = 0, w = 0, C_v = 0. Callers must pass ``valid`` to the attention helpers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .select import (
+    _check_float,
+    _check_positive_int,
+    _check_qk,
+    _check_scaling,
+    _check_valid,
+    _check_values,
+    _compute_dtype,
+    _row_blocks,
+)
+
+logger = logging.getLogger(__name__)
+
+MASS_SOLVERS = ("ls_clamp", "nnls")
+_PIVOT_RTOL = 1e-13  # Cholesky pivots below this fraction of their diagonal count as zero
+
+
+@dataclass
+class FitConfig:
+    """Hyperparameters of paper Eqs. (mass_fit) and (value_lstsq).
+
+    eps_w: floor before the log in Eq. (mass_fit). 1e-12 only prevents log(0); with the
+        default ``b_min`` the clip is what actually bounds beta (log 1e-12 = -27.6 < -20).
+    b_min, b_max: finite guard on beta. exp(-20) ~ 2e-9 makes an anchor with w* = 0 inert
+        (dead) while keeping every logit finite in fp16/bf16 (no -inf, so an all-dead row still
+        has a well-defined softmax); +20 (a weight of ~5e8 real keys' worth of mass) is far
+        above any realistic w (w is at most ~T times the ratio of full to compact mass per
+        query) and keeps logit + beta well inside the fp16 range.
+    mass_solver: "ls_clamp" (paper default: unconstrained least squares, then clamp at 0)
+        or "nnls" (exact non-negative least squares, batched Lawson--Hanson on the normal
+        equations; costs up to ``nnls_max_iter`` batched Cholesky solves).
+    mass_ridge: Tikhonov term for the mass normal equations, relative to the mean diagonal
+        of Phi_C^T Phi_C. 1e-12 leaves well-posed solves unchanged to ~1e-12 relative
+        (cond <~ 1e4 gives < 1e-8) while making exactly rank-deficient systems (e.g.
+        duplicate compact keys) factorisable in float64, where it then acts like a minimum-
+        norm solution.
+    ridge_v: lambda_v of Eq. (value_lstsq). Relative (``ridge_relative=True``, default): the
+        ridge is ridge_v * mean(diag(P_hat^T P_hat)), i.e. a fraction of the mean eigenvalue,
+        so it does not depend on n_fit or t; 1e-3 only damps directions whose curvature is
+        below 0.1% of the average. ``ridge_relative=False`` uses ridge_v as the absolute
+        lambda_v of the paper.
+    block_rows: query rows per block.
+    nnls_max_iter: cap on Lawson--Hanson iterations (None: 3 * t + 10).
+    """
+
+    eps_w: float = 1e-12
+    b_min: float = -20.0
+    b_max: float = 20.0
+    mass_solver: str = "ls_clamp"
+    mass_ridge: float = 1e-12
+    ridge_v: float = 1e-3
+    ridge_relative: bool = True
+    block_rows: int = 1024
+    nnls_max_iter: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.eps_w) and self.eps_w > 0):
+            raise ValueError(f"eps_w must be finite and > 0, got {self.eps_w}")
+        if not (math.isfinite(self.b_min) and math.isfinite(self.b_max) and self.b_min < self.b_max):
+            raise ValueError(f"need finite b_min < b_max, got b_min={self.b_min}, b_max={self.b_max}")
+        if self.mass_solver not in MASS_SOLVERS:
+            raise ValueError(f"mass_solver must be one of {MASS_SOLVERS}, got {self.mass_solver!r}")
+        if not (math.isfinite(self.mass_ridge) and self.mass_ridge >= 0):
+            raise ValueError(f"mass_ridge must be finite and >= 0, got {self.mass_ridge}")
+        if not (math.isfinite(self.ridge_v) and self.ridge_v >= 0):
+            raise ValueError(f"ridge_v must be finite and >= 0, got {self.ridge_v}")
+        _check_positive_int(self.block_rows, "block_rows")
+        if self.nnls_max_iter is not None:
+            _check_positive_int(self.nnls_max_iter, "nnls_max_iter")
+
+
+# --------------------------------------------------------------------------------------
+# SPD solves
+# --------------------------------------------------------------------------------------
+
+
+def _mask_system(A: torch.Tensor, B: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Restrict ``A x = B`` to the slots in ``keep`` ``[H, t]``: other rows/cols -> identity, rhs 0."""
+    km = keep.to(A.dtype)
+    A = A * km[:, :, None] * km[:, None, :] + torch.diag_embed(1.0 - km)
+    B = B * km.view(*km.shape, *([1] * (B.ndim - 2)))
+    return A, B
+
+
+def _mean_diag(A: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Mean diagonal of A over kept slots, ``[H]``; 1 where it is 0 (nothing to scale by)."""
+    km = keep.to(A.dtype)
+    md = (torch.diagonal(A, dim1=-2, dim2=-1) * km).sum(-1) / km.sum(-1).clamp_min(1.0)
+    return torch.where(md > 0, md, torch.ones_like(md))
+
+
+def spd_solve(
+    A: torch.Tensor, B: torch.Tensor, max_tries: int = 12
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Solve batched SPD systems ``A X = B`` (A ``[H, t, t]``, B ``[H, t]`` or ``[H, t, k]``).
+
+    Uses ``cholesky_ex`` + ``cholesky_solve`` in float64. A factorisation counts as failed if
+    it breaks down or if some pivot is numerically zero, L_kk^2 < 1e-13 * A_kk (column k is
+    a linear combination of the previous ones to within rounding: an exactly rank-deficient
+    system that rounding let through). Failed heads get a diagonal jitter of
+    1e-14 * mean(diag A), multiplied by 10 on each retry (up to ``max_tries``). Returns
+    ``(X, jitter)`` with ``jitter`` ``[H]`` the absolute jitter that was added (0 where none
+    was needed). Raises ``ValueError`` if A is not SPD even then.
+    """
+    A = A.to(torch.float64)
+    vec = B.ndim == 2
+    Bm = (B[..., None] if vec else B).to(torch.float64)
+    H, t, _ = A.shape
+    scale = torch.diagonal(A, dim1=-2, dim2=-1).abs().mean(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    jitter = torch.zeros(H, dtype=torch.float64, device=A.device)
+    eye = torch.eye(t, dtype=torch.float64, device=A.device)
+
+    def factorise(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        factor, info = torch.linalg.cholesky_ex(M)
+        pivot2 = torch.diagonal(factor, dim1=-2, dim2=-1) ** 2
+        diag = torch.diagonal(M, dim1=-2, dim2=-1)
+        degenerate = (pivot2 < _PIVOT_RTOL * diag).any(-1) | ~torch.isfinite(factor).all(-1).all(-1)
+        return factor, (info > 0) | degenerate
+
+    factor, failed = factorise(A)
+    rel = 1e-14
+    tries = 0
+    while bool(failed.any()):
+        if tries >= max_tries:
+            h = int(failed.nonzero()[0])
+            raise ValueError(
+                f"normal equations of head {h} are not positive definite even with jitter {jitter[h].item():.3g}"
+            )
+        jitter = torch.where(failed, rel * scale, jitter)
+        factor, failed = factorise(A + jitter[:, None, None] * eye)
+        rel *= 10.0
+        tries += 1
+    X = torch.cholesky_solve(Bm, factor)
+    return (X[..., 0] if vec else X), jitter
+
+
+def _masked_spd_solve(
+    A: torch.Tensor, B: torch.Tensor, keep: torch.Tensor, ridge: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Solve (A_kk + ridge I) x_k = B_k on the ``keep`` slots; x = 0 elsewhere. ``ridge`` ``[H]``."""
+    A, B = _mask_system(A, B, keep)
+    A = A + torch.diag_embed(ridge[:, None] * keep.to(A.dtype))
+    X, jitter = spd_solve(A, B)
+    km = keep.to(X.dtype)
+    return X * km.view(*km.shape, *([1] * (X.ndim - 2))), jitter
+
+
+def _nnls_normal(
+    A: torch.Tensor, b: torch.Tensor, valid: torch.Tensor, ridge: torch.Tensor, max_iter: int
+) -> torch.Tensor:
+    """Batched Lawson--Hanson NNLS on the normal equations: min_w>=0 ||Phi w - y||^2.
+
+    A = Phi^T Phi (+ ridge on the passive set), b = Phi^T y, ``[H, t, t]`` / ``[H, t]`` float64.
+    All heads advance together, one masked Cholesky solve per step (loop over steps, not
+    heads). Warm start: the passive set is shrunk from all valid slots by dropping negative
+    restricted solutions until the restricted solution is positive, which yields a feasible
+    point satisfying the Lawson--Hanson invariant; the standard outer/inner loops follow.
+    """
+    H, t = b.shape
+    tol = 1e-10 * b.abs().amax(-1).clamp_min(torch.finfo(b.dtype).tiny)   # KKT tolerance per head
+
+    def restricted(passive: torch.Tensor) -> torch.Tensor:
+        return _masked_spd_solve(A, b, passive, ridge)[0]
+
+    passive = valid.clone()
+    for _ in range(t + 1):                       # warm start (passive set only shrinks)
+        s = restricted(passive)
+        negative = passive & (s <= 0)
+        if not bool(negative.any()):
+            break
+        passive &= ~negative
+    w = s * passive
+    done = torch.zeros(H, dtype=torch.bool, device=b.device)
+    for _ in range(max_iter):
+        g = b - (A @ w[..., None])[..., 0]       # negative gradient of 1/2 w'Aw - b'w
+        cand = valid & ~passive
+        g_c = torch.where(cand, g, torch.full_like(g, -torch.inf))
+        g_max, j = g_c.max(dim=-1)
+        done |= ~(g_max > tol)
+        if bool(done.all()):
+            break
+        new = torch.nn.functional.one_hot(j, t).bool() & ~done[:, None]
+        passive = passive | new
+        s = restricted(passive)
+        # in exact arithmetic the entering variable is positive; if rounding says otherwise
+        # the remaining gradient is noise: undo and stop that head (avoids cycling)
+        stuck = (new & (s <= 0)).any(-1)
+        passive = passive & ~(new & stuck[:, None])
+        done |= stuck
+        inner = ~done
+        for step in range(t + 1):
+            if not bool(inner.any()):
+                break
+            if step > 0:
+                s = restricted(passive)
+            negative = passive & (s <= 0) & inner[:, None]
+            infeasible = negative.any(-1)
+            feasible = inner & ~infeasible
+            w = torch.where(feasible[:, None], s * passive, w)
+            inner = infeasible
+            if not bool(inner.any()):
+                break
+            frac = w / (w - s).clamp_min(torch.finfo(w.dtype).tiny)   # step to the boundary
+            ratio = torch.where(negative, frac, torch.full_like(w, torch.inf))
+            alpha, i_min = ratio.min(dim=-1)
+            alpha = torch.where(inner, alpha, torch.zeros_like(alpha))
+            w_new = w + alpha[:, None] * (s - w)
+            hit = torch.nn.functional.one_hot(i_min, t).bool() & inner[:, None]
+            w_new = torch.where(hit, torch.zeros_like(w_new), w_new)
+            w = torch.where(inner[:, None], w_new, w)
+            drop = inner[:, None] & passive & (w <= 0)
+            passive = passive & ~drop
+            w = w * passive
+    else:
+        if not bool(done.all()):
+            logger.warning("nnls: %d head(s) hit nnls_max_iter=%d before the KKT check", int((~done).sum()), max_iter)
+    return w
+
+
+# --------------------------------------------------------------------------------------
+# beta (paper Eq. (mass_fit))
+# --------------------------------------------------------------------------------------
+
+
+def _check_compact(C: torch.Tensor, name: str, H: int, D: int | None, device: torch.device) -> None:
+    _check_float(C, name, 3)
+    if C.shape[0] != H or (D is not None and C.shape[2] != D):
+        raise ValueError(f"{name} {tuple(C.shape)} must be [H={H}, t, D={D}]")
+    if C.shape[1] < 1:
+        raise ValueError(f"{name} must have at least one slot, got shape {tuple(C.shape)}")
+    if C.device != device:
+        raise ValueError(f"{name} on {C.device} but expected {device}")
+
+
+def _mass_normal_equations(
+    Q: torch.Tensor, K: torch.Tensor, C_k: torch.Tensor, scaling: float, valid: torch.Tensor, block_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate A = Phi_C^T Phi_C and b = Phi_C^T Phi_K 1 per head (float64).
+
+    Phi rows are shifted by z_i = max_j scaling * q_i . k_j over the FULL K (paper
+    Eq. (mass_fit)).
+    """
+    cd = _compute_dtype(Q, K, C_k)
+    Kt, Ct = K.to(cd).transpose(1, 2), C_k.to(cd).transpose(1, 2)
+    H, t = valid.shape
+    A = torch.zeros(H, t, t, dtype=torch.float64, device=K.device)
+    b = torch.zeros(H, t, dtype=torch.float64, device=K.device)
+    vm = valid[:, None, :]
+    for lo, hi in _row_blocks(Q.shape[1], block_rows):
+        Qb = Q[:, lo:hi].to(cd) * scaling
+        Lk = Qb @ Kt
+        z = Lk.amax(-1, keepdim=True)
+        zf = torch.exp(Lk - z).sum(-1).double()                       # Phi_K 1, [H, b]
+        phi_c = torch.exp(Qb @ Ct - z).masked_fill(~vm, 0.0).double()  # Phi_C, [H, b, t]
+        A = A + phi_c.transpose(1, 2) @ phi_c
+        b = b + (phi_c.transpose(1, 2) @ zf[..., None])[..., 0]
+    return A, b
+
+
+def fit_beta(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    C_k: torch.Tensor,
+    scaling: float,
+    valid: torch.Tensor | None = None,
+    config: FitConfig = FitConfig(),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention-mass bias (paper Eq. (mass_fit)).
+
+    Phi_K = exp(scaling Q K^T - z 1^T), Phi_C = exp(scaling Q C_k^T - z 1^T) with
+    z_i = max_j scaling q_i . k_j over the full K; w~ = argmin ||Phi_C w - Phi_K 1||
+    (``ls_clamp``: normal equations with a ``mass_ridge`` relative Tikhonov term, Cholesky in
+    float64, then w* = max(w~, 0); ``nnls``: exact NNLS); beta = clip(log(max(w*, eps_w)),
+    b_min, b_max).
+
+    Returns ``beta`` ``[H, t]`` (dtype of K) and ``w*`` ``[H, t]`` float32. Invalid slots
+    get beta = 0 and w = 0; callers must pass ``valid`` downstream.
+    """
+    _check_qk(Q, K)
+    scaling = _check_scaling(scaling)
+    H, T, D = K.shape
+    _check_compact(C_k, "C_k", H, D, K.device)
+    t = C_k.shape[1]
+    valid = _check_valid(valid, H, t, K.device)
+    if not isinstance(config, FitConfig):
+        raise TypeError(f"config must be a FitConfig, got {type(config).__name__}")
+    A, b = _mass_normal_equations(Q, K, C_k, scaling, valid, config.block_rows)
+    ridge = config.mass_ridge * _mean_diag(A, valid)
+    if config.mass_solver == "ls_clamp":
+        w, jitter = _masked_spd_solve(A, b, valid, ridge)
+        if bool((jitter > 0).any()):
+            logger.warning("fit_beta: jitter added to the mass normal equations of %d head(s)", int((jitter > 0).sum()))
+        w = w.clamp_min(0.0)
+    else:
+        max_iter = config.nnls_max_iter if config.nnls_max_iter is not None else 3 * t + 10
+        w = _nnls_normal(A, b, valid, ridge, max_iter).clamp_min(0.0)
+    w = w * valid
+    beta = torch.log(w.clamp_min(config.eps_w)).clamp(config.b_min, config.b_max)
+    beta = beta.masked_fill(~valid, 0.0)
+    return beta.to(K.dtype), w.to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# attention operators (paper Eqs. (full_attention), (compact_attention))
+# --------------------------------------------------------------------------------------
+
+
+def _compact_probs(
+    Qb: torch.Tensor, Ct: torch.Tensor, beta: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """softmax(Qb C_k^T + beta) over valid slots; ``Qb`` already scaled."""
+    logits = Qb @ Ct + beta[:, None, :]
+    logits = logits.masked_fill(~valid[:, None, :], -torch.inf)
+    return torch.softmax(logits, dim=-1)
+
+
+def full_attention(
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scaling: float, block_rows: int = 1024
+) -> torch.Tensor:
+    """O = softmax(scaling Q K^T) V, ``[H, n, Dv]`` in the dtype of V (paper Eq. (full_attention)).
+
+    Computed in float32 (float64 for float64 inputs), blockwise over rows; differentiable.
+    """
+    _check_qk(Q, K)
+    _check_values(V, K)
+    scaling = _check_scaling(scaling)
+    _check_positive_int(block_rows, "block_rows")
+    cd = _compute_dtype(Q, K, V)
+    Kt, Vc = K.to(cd).transpose(1, 2), V.to(cd)
+    out = [
+        torch.softmax((Q[:, lo:hi].to(cd) * scaling) @ Kt, dim=-1) @ Vc
+        for lo, hi in _row_blocks(Q.shape[1], block_rows)
+    ]
+    return torch.cat(out, dim=1).to(V.dtype)
+
+
+def _check_compact_cache(
+    Q: torch.Tensor, C_k: torch.Tensor, beta: torch.Tensor, C_v: torch.Tensor | None, valid: torch.Tensor | None
+) -> torch.Tensor:
+    _check_float(Q, "Q", 3)
+    H, _, D = Q.shape
+    _check_compact(C_k, "C_k", H, D, Q.device)
+    t = C_k.shape[1]
+    _check_float(beta, "beta", 2)
+    if tuple(beta.shape) != (H, t):
+        raise ValueError(f"beta must have shape {(H, t)}, got {tuple(beta.shape)}")
+    if C_v is not None:
+        _check_compact(C_v, "C_v", H, None, Q.device)
+        if C_v.shape[1] != t:
+            raise ValueError(f"C_v {tuple(C_v.shape)} must have t={t} slots like C_k")
+    valid = _check_valid(valid, H, t, Q.device)
+    if not bool(valid.any(-1).all()):
+        raise ValueError(f"head {int((~valid.any(-1)).nonzero()[0])} has no valid compact slot")
+    return valid
+
+
+def compact_attention(
+    Q: torch.Tensor,
+    C_k: torch.Tensor,
+    beta: torch.Tensor,
+    C_v: torch.Tensor,
+    scaling: float,
+    valid: torch.Tensor | None = None,
+    block_rows: int = 1024,
+) -> torch.Tensor:
+    """O^ = softmax(scaling Q C_k^T + 1 beta^T) C_v over valid slots (paper Eq. (compact_attention)).
+
+    ``[H, n, Dv]`` in the dtype of C_v; blockwise over rows; differentiable.
+    """
+    valid = _check_compact_cache(Q, C_k, beta, C_v, valid)
+    scaling = _check_scaling(scaling)
+    _check_positive_int(block_rows, "block_rows")
+    cd = _compute_dtype(Q, C_k, beta, C_v)
+    Ct, bc, Cv = C_k.to(cd).transpose(1, 2), beta.to(cd), C_v.to(cd)
+    out = [
+        _compact_probs(Q[:, lo:hi].to(cd) * scaling, Ct, bc, valid) @ Cv
+        for lo, hi in _row_blocks(Q.shape[1], block_rows)
+    ]
+    return torch.cat(out, dim=1).to(C_v.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# C_v (paper Eq. (value_lstsq))
+# --------------------------------------------------------------------------------------
+
+
+def fit_values(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    V: torch.Tensor,
+    C_k: torch.Tensor,
+    beta: torch.Tensor,
+    scaling: float,
+    valid: torch.Tensor | None = None,
+    config: FitConfig = FitConfig(),
+    ridge: float | None = None,
+) -> torch.Tensor:
+    """Compact values C_v ``[H, t, Dv]`` (dtype of K), paper Eq. (value_lstsq).
+
+    P_hat = softmax(scaling Q C_k^T + beta) over valid slots, Y = softmax(scaling Q K^T) V,
+    C_v = argmin ||P_hat C - Y||_F^2 + lambda ||C||_F^2 via (P^T P + lambda I) C = P^T Y,
+    accumulated blockwise in float64 and solved by Cholesky. ``ridge`` overrides
+    ``config.ridge_v`` (relative to mean(diag(P^T P)) when ``config.ridge_relative``).
+    ``ridge=0`` is exact least squares when P_hat has full column rank; if the Cholesky
+    factorisation fails a tiny escalating jitter is added and a warning is logged (use
+    :func:`spd_solve` directly to get the jitter per head). Invalid slots get zero rows.
+    """
+    _check_qk(Q, K)
+    _check_values(V, K)
+    scaling = _check_scaling(scaling)
+    H, T, D = K.shape
+    _check_compact(C_k, "C_k", H, D, K.device)
+    t = C_k.shape[1]
+    _check_float(beta, "beta", 2)
+    if tuple(beta.shape) != (H, t):
+        raise ValueError(f"beta must have shape {(H, t)}, got {tuple(beta.shape)}")
+    valid = _check_valid(valid, H, t, K.device)
+    if not isinstance(config, FitConfig):
+        raise TypeError(f"config must be a FitConfig, got {type(config).__name__}")
+    lam = config.ridge_v if ridge is None else ridge
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not (math.isfinite(lam) and lam >= 0):
+        raise ValueError(f"ridge must be a finite float >= 0, got {lam!r}")
+    cd = _compute_dtype(Q, K, V, C_k, beta)
+    Kt, Vc = K.to(cd).transpose(1, 2), V.to(cd)
+    Ct, bc = C_k.to(cd).transpose(1, 2), beta.to(cd)
+    G = torch.zeros(H, t, t, dtype=torch.float64, device=K.device)
+    R = torch.zeros(H, t, V.shape[-1], dtype=torch.float64, device=K.device)
+    for lo, hi in _row_blocks(Q.shape[1], config.block_rows):
+        Qb = Q[:, lo:hi].to(cd) * scaling
+        Y = (torch.softmax(Qb @ Kt, dim=-1) @ Vc).double()
+        P = _compact_probs(Qb, Ct, bc, valid).double()
+        G = G + P.transpose(1, 2) @ P
+        R = R + P.transpose(1, 2) @ Y
+    scale = _mean_diag(G, valid) if config.ridge_relative else torch.ones(H, dtype=torch.float64, device=K.device)
+    C_v, jitter = _masked_spd_solve(G, R, valid, lam * scale)
+    if bool((jitter > 0).any()):
+        logger.warning(
+            "fit_values: P_hat^T P_hat + ridge was singular for %d head(s); added jitter (max %.3g)",
+            int((jitter > 0).sum()), float(jitter.max()),
+        )
+    return C_v.to(K.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# diagnostics (paper App. "Key-Merging Coefficient")
+# --------------------------------------------------------------------------------------
+
+
+def attention_mass_error(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    C_k: torch.Tensor,
+    w: torch.Tensor,
+    scaling: float,
+    valid: torch.Tensor | None = None,
+    block_rows: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Relative mass error and dead-anchor fraction per head, both ``[H]`` float32.
+
+    E_mass = ||Z_c - Z_f|| / ||Z_f|| with Z_f = Phi_K 1 and Z_c = Phi_C w* (the stabilised
+    Phi of paper Eq. (mass_fit)), as in paper App. "Key-Merging Coefficient". The dead
+    fraction is the share of valid slots with w <= 0.
+    """
+    _check_qk(Q, K)
+    scaling = _check_scaling(scaling)
+    H, T, D = K.shape
+    _check_compact(C_k, "C_k", H, D, K.device)
+    t = C_k.shape[1]
+    valid = _check_valid(valid, H, t, K.device)
+    _check_float(w, "w", 2)
+    if tuple(w.shape) != (H, t):
+        raise ValueError(f"w must have shape {(H, t)}, got {tuple(w.shape)}")
+    _check_positive_int(block_rows, "block_rows")
+    cd = _compute_dtype(Q, K, C_k)
+    Kt, Ct = K.to(cd).transpose(1, 2), C_k.to(cd).transpose(1, 2)
+    wv = (w.double() * valid)[..., None]
+    err2 = torch.zeros(H, dtype=torch.float64, device=K.device)
+    ref2 = torch.zeros(H, dtype=torch.float64, device=K.device)
+    for lo, hi in _row_blocks(Q.shape[1], block_rows):
+        Qb = Q[:, lo:hi].to(cd) * scaling
+        Lk = Qb @ Kt
+        z = Lk.amax(-1, keepdim=True)
+        zf = torch.exp(Lk - z).sum(-1).double()
+        zc = (torch.exp(Qb @ Ct - z).double() @ wv)[..., 0]
+        err2 = err2 + ((zc - zf) ** 2).sum(-1)
+        ref2 = ref2 + (zf * zf).sum(-1)
+    rel = (err2 / ref2).sqrt()
+    dead = ((w <= 0) & valid).sum(-1).double() / valid.sum(-1).clamp_min(1).double()
+    return rel.float(), dead.float()
+
+
+__all__ = [
+    "MASS_SOLVERS",
+    "FitConfig",
+    "spd_solve",
+    "fit_beta",
+    "fit_values",
+    "full_attention",
+    "compact_attention",
+    "attention_mass_error",
+]

@@ -1,0 +1,144 @@
+"""One layer of compaction, all KV heads at once: select -> merge -> fit (paper Sec. 3.1-3.3).
+
+``compact_layer`` composes the step modules; it is pure tensor code (the learned indexer enters
+as an object with a ``scores(layer, X, Q, K, V, pooling)`` method). Methods:
+
+- ``arckv`` (learned indexer), ``arckv-ha``, ``arckv-vi``: top-t anchors from the scorer
+  (chunked for long contexts, App. (KV-Based Chunking)), convex-hull key merging with
+  ``lambda_m`` (Eqs. (response_profile)-(key_merge)), then beta (Eq. (mass_fit)) and C_v
+  (Eq. (value_lstsq)).
+- ``am-omp``, ``am-omp-fast``, ``am-ha``: the Attention Matching baselines (:mod:`.omp`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from arckv_press.compaction.fit import FitConfig, fit_beta, fit_values
+from arckv_press.compaction.merge import merge_keys
+from arckv_press.compaction.omp import am_compact
+from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, vi_scores
+
+__all__ = ["LayerMethod", "LayerResult", "compact_layer", "ARCKV_SELECTORS", "AM_VARIANTS"]
+
+ARCKV_SELECTORS = {"arckv": "indexer", "arckv-ha": "ha", "arckv-vi": "vi"}
+AM_VARIANTS = {"am-omp": "omp", "am-omp-fast": "omp-fast", "am-ha": "ha"}
+
+
+@dataclass
+class LayerMethod:
+    """How to compact a layer.
+
+    Attributes:
+        name: one of ``arckv``, ``arckv-ha``, ``arckv-vi``, ``am-omp``, ``am-omp-fast``, ``am-ha``.
+        lambda_m: key-merging coefficient of Eq. (key_merge) (ARC-KV only; 0 = no merging).
+        pooling: row pooling of Eq. (indexer_pooling): ``rms`` (paper), ``mean`` or ``max``.
+        chunk_len / chunk_min_length: chunked top-t for long contexts (App. KV-Based Chunking).
+        fit: beta / C_v fitting options.
+        block: position block of the merge assignment (bounds memory).
+    """
+
+    name: str = "arckv"
+    lambda_m: float = 0.25
+    pooling: str = "rms"
+    chunk_len: int = 4096
+    chunk_min_length: int = 10_000
+    fit: FitConfig = field(default_factory=FitConfig)
+    block: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.name not in ARCKV_SELECTORS and self.name not in AM_VARIANTS:
+            raise ValueError(
+                f"unknown compaction method {self.name!r}; expected one of "
+                f"{sorted(ARCKV_SELECTORS) + sorted(AM_VARIANTS)}"
+            )
+        if not 0.0 <= self.lambda_m <= 1.0:
+            raise ValueError(f"lambda_m must be in [0, 1], got {self.lambda_m}")
+
+
+@dataclass
+class LayerResult:
+    """Padded compact cache of one layer plus what the benchmarks report."""
+
+    C_k: torch.Tensor  # [H, t_max, D]
+    beta: torch.Tensor  # [H, t_max] float32
+    C_v: torch.Tensor  # [H, t_max, D]
+    valid: torch.Tensor  # [H, t_max] bool, valid slots first
+    anchors: torch.Tensor  # [H, t_max] positions of the anchors
+    w: torch.Tensor | None = None  # mass weights before the log (ARC-KV)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class _Stopwatch:
+    def __init__(self, timings: dict[str, float]):
+        self.timings = timings
+
+    def __call__(self, stage: str):
+        watch = self
+
+        class _Stage:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                watch.timings[stage] = watch.timings.get(stage, 0.0) + time.perf_counter() - self.t0
+
+        return _Stage()
+
+
+def _prefix_order(idx: torch.Tensor, valid: torch.Tensor, *others: torch.Tensor):
+    """Reorder slots so valid ones come first (stable), as the packed cache requires."""
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    take = lambda x: x.gather(1, order) if x.ndim == 2 else x.gather(1, order[..., None].expand_as(x))  # noqa: E731
+    return (take(idx), take(valid), *(take(o) for o in others))
+
+
+def compact_layer(
+    K: torch.Tensor,
+    V: torch.Tensor,
+    Q: torch.Tensor,
+    budgets: torch.Tensor,
+    scaling: float,
+    method: LayerMethod,
+    X: torch.Tensor | None = None,
+    indexer=None,
+    layer_idx: int = 0,
+) -> LayerResult:
+    """Compact one layer: ``K, V [H, T, D]``, reference queries ``Q [H, n, D]``, ``budgets [H]``.
+
+    ``X [n, d_x]`` (rows aligned with ``Q``'s rows) and ``indexer`` are needed by ``arckv``.
+    Returns padded ``(C_k, beta, C_v)`` with a prefix ``valid`` mask per head.
+    """
+    timings: dict[str, float] = {}
+    watch = _Stopwatch(timings)
+    if method.name in AM_VARIANTS:
+        with watch("am_total"):
+            C_k, beta, C_v, idx, valid = am_compact(Q, K, V, budgets, scaling, AM_VARIANTS[method.name])
+        idx, valid, C_k, beta, C_v = _prefix_order(idx, valid, C_k, beta, C_v)
+        return LayerResult(C_k, beta, C_v, valid, idx, None, timings)
+
+    selector = ARCKV_SELECTORS[method.name]
+    with watch("selection"):
+        if selector == "indexer":
+            if indexer is None or X is None:
+                raise ValueError("method 'arckv' needs the learned indexer and the activations X")
+            scores = indexer.scores(layer_idx, X, Q, K, V, pooling=method.pooling)
+        elif selector == "ha":
+            scores = ha_scores(Q, K, scaling, pooling=method.pooling)
+        else:
+            scores = vi_scores(Q, K, V, scaling, pooling=method.pooling)
+        idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
+        idx, valid = _prefix_order(idx, valid)
+    with watch("merge"):
+        if method.lambda_m > 0:
+            C_k, _ = merge_keys(Q, K, idx, valid, scaling, lambda_m=method.lambda_m, block=method.block)
+        else:
+            C_k = K.gather(1, idx[:, :, None].expand(-1, -1, K.shape[2])) * valid[:, :, None]
+    with watch("beta_fit"):
+        beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit)
+    with watch("value_fit"):
+        C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit)
+    return LayerResult(C_k, beta.float(), C_v, valid, idx, w, timings)

@@ -1,0 +1,446 @@
+"""Anchor scoring, pooling and top-t selection (paper Sec. 3.3 and App. C.1).
+
+Scores are ``[H, T]`` tensors (one score per cache position and KV head). Row quantities
+(softmax probabilities of indexer logits, HA probabilities, VI influences) are pooled over the
+reference-query rows blockwise, so an ``[H, n, T]`` tensor is never materialised:
+
+- :class:`RowPool` accumulates sum / sum of squares / running max over row blocks;
+- :func:`pool_rows`, :func:`pool_probs`, :func:`pool_logits`, :func:`pooled_softmax_scores`
+  are thin drivers around it (paper Eq. (indexer_pooling));
+- :func:`ha_scores` and :func:`vi_scores` are the highest-attention and value-influence
+  selectors of paper Eq. (background_value_selectors);
+- :func:`per_head_budgets` distributes the nominal budget (paper Eq. (per_head_budget));
+- :func:`topk_anchors` and :func:`chunked_topk_anchors` pick the anchor set
+  (paper Eq. (persistent_support) and App. "KV-Based Chunking").
+
+The small ``_check_*`` helpers at the top are shared with ``merge`` and ``fit``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+POOLINGS = ("rms", "mean", "max")
+
+# --------------------------------------------------------------------------------------
+# shared validation helpers (also imported by merge.py and fit.py)
+# --------------------------------------------------------------------------------------
+
+
+def _check_tensor(x: torch.Tensor, name: str, ndim: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+
+
+def _check_float(x: torch.Tensor, name: str, ndim: int) -> None:
+    _check_tensor(x, name, ndim)
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def _check_scaling(scaling: float) -> float:
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        raise TypeError(f"scaling must be a python float, got {type(scaling).__name__}")
+    if not math.isfinite(scaling) or scaling <= 0:
+        raise ValueError(f"scaling must be finite and > 0, got {scaling}")
+    return float(scaling)
+
+
+def _check_positive_int(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _check_qk(Q: torch.Tensor, K: torch.Tensor) -> None:
+    """Q ``[H, n, D]`` and K ``[H, T, D]`` with matching heads, head dim and device."""
+    _check_float(Q, "Q", 3)
+    _check_float(K, "K", 3)
+    if Q.shape[0] != K.shape[0] or Q.shape[2] != K.shape[2]:
+        raise ValueError(f"Q {tuple(Q.shape)} and K {tuple(K.shape)} must share H and D")
+    if Q.shape[1] < 1 or K.shape[1] < 1:
+        raise ValueError(f"need at least one query row and one key, got Q {tuple(Q.shape)}, K {tuple(K.shape)}")
+    if Q.device != K.device:
+        raise ValueError(f"Q on {Q.device} but K on {K.device}")
+
+
+def _check_values(V: torch.Tensor, K: torch.Tensor, name: str = "V") -> None:
+    _check_float(V, name, 3)
+    if V.shape[:2] != K.shape[:2]:
+        raise ValueError(f"{name} {tuple(V.shape)} must match K {tuple(K.shape)} on [H, T]")
+    if V.device != K.device:
+        raise ValueError(f"{name} on {V.device} but K on {K.device}")
+
+
+def _check_valid(valid: torch.Tensor | None, H: int, t: int, device: torch.device) -> torch.Tensor:
+    """Return a bool ``[H, t]`` mask (all True when ``valid`` is None)."""
+    if valid is None:
+        return torch.ones(H, t, dtype=torch.bool, device=device)
+    _check_tensor(valid, "valid", 2)
+    if valid.dtype != torch.bool:
+        raise TypeError(f"valid must be a bool tensor, got {valid.dtype}")
+    if tuple(valid.shape) != (H, t):
+        raise ValueError(f"valid must have shape {(H, t)}, got {tuple(valid.shape)}")
+    if valid.device != device:
+        raise ValueError(f"valid on {valid.device} but expected {device}")
+    return valid
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (bf16/fp16 are upcast)."""
+    return torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
+
+
+def _row_blocks(n: int, block_rows: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, block_rows):
+        yield start, min(start + block_rows, n)
+
+
+def _check_pooling(pooling: str) -> str:
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    return pooling
+
+
+# --------------------------------------------------------------------------------------
+# pooling over query rows (paper Eq. (indexer_pooling))
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class RowPool:
+    """Blockwise accumulator pooling ``[H, b, T]`` row blocks into one ``[H, T]`` score.
+
+    ``rms``: sqrt(mean_i x_ij^2) (paper Eq. (indexer_pooling), the default); ``mean``:
+    mean_i x_ij; ``max``: max_i x_ij. Each block is reduced in its own dtype and the partial
+    sums are accumulated across blocks in float64, so the result does not depend on the block
+    size beyond float rounding.
+    """
+
+    pooling: str = "rms"
+    count: int = 0
+    acc: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_pooling(self.pooling)
+
+    def update(self, block: torch.Tensor) -> None:
+        _check_tensor(block, "row block", 3)
+        if self.acc is not None and block.shape[::2] != self.acc.shape:
+            raise ValueError(f"row block {tuple(block.shape)} does not match pooled shape {tuple(self.acc.shape)}")
+        if self.pooling == "max":
+            part = block.amax(dim=1)
+            self.acc = part if self.acc is None else torch.maximum(self.acc, part)
+        else:
+            part = (block * block if self.pooling == "rms" else block).sum(dim=1).double()
+            self.acc = part if self.acc is None else self.acc + part
+        self.count += block.shape[1]
+
+    def result(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.acc is None or self.count == 0:
+            raise ValueError("RowPool.result() called before any non-empty update()")
+        if self.pooling == "max":
+            return self.acc.to(dtype)
+        mean = self.acc / self.count
+        return (mean.sqrt() if self.pooling == "rms" else mean).to(dtype)
+
+
+def pool_rows(blocks: Iterable[torch.Tensor], pooling: str = "rms") -> torch.Tensor:
+    """Pool row blocks ``[H, b_k, T]`` (rows concatenated over k) into ``[H, T]`` float32."""
+    pool = RowPool(pooling)
+    for block in blocks:
+        pool.update(block)
+    return pool.result()
+
+
+def pool_probs(prob_blocks: Iterable[torch.Tensor], pooling: str = "rms") -> torch.Tensor:
+    """Pool per-row probability blocks ``[H, b, T]`` over rows (paper Eq. (indexer_pooling))."""
+    return pool_rows(prob_blocks, pooling)
+
+
+def pool_logits(logits_blocks: Iterable[torch.Tensor], pooling: str = "rms") -> torch.Tensor:
+    """Row-softmax each logits block ``[H, b, T]`` over T, then pool over rows.
+
+    Paper Eq. (indexer_pooling): pi_ij = softmax_j(I_ij), s_j = sqrt(mean_i pi_ij^2) for
+    ``rms``. The softmax runs in float32 (float64 for float64 logits). Returns ``[H, T]``.
+    """
+    def probs() -> Iterator[torch.Tensor]:
+        for block in logits_blocks:
+            _check_tensor(block, "logits block", 3)
+            if torch.isnan(block).any():
+                raise ValueError("logits block contains NaN")
+            yield torch.softmax(block.to(_compute_dtype(block)), dim=-1)
+
+    return pool_probs(probs(), pooling)
+
+
+def pooled_softmax_scores(
+    logit_fn: Callable[[int, int], torch.Tensor],
+    n_rows: int,
+    block_rows: int = 1024,
+    pooling: str = "rms",
+) -> torch.Tensor:
+    """Pool softmax probabilities of ``logit_fn(start, stop) -> [H, stop-start, T]`` over rows.
+
+    Only one block of ``block_rows`` rows is alive at a time.
+    """
+    _check_positive_int(n_rows, "n_rows")
+    _check_positive_int(block_rows, "block_rows")
+    return pool_logits((logit_fn(a, b) for a, b in _row_blocks(n_rows, block_rows)), pooling)
+
+
+# --------------------------------------------------------------------------------------
+# HA and VI selectors (paper App. C.1, Eq. (background_value_selectors))
+# --------------------------------------------------------------------------------------
+
+
+def ha_scores(
+    Q: torch.Tensor, K: torch.Tensor, scaling: float, pooling: str = "rms", block_rows: int = 1024
+) -> torch.Tensor:
+    """Highest-attention scores s^HA ``[H, T]`` float32.
+
+    s^HA_j = sqrt(mean_i p_ij^2) with p_ij = softmax_j(scaling * q_i . k_j) (``rms``, paper
+    Eq. (background_value_selectors)); ``mean`` and ``max`` pool p_ij by mean / max instead.
+    """
+    _check_qk(Q, K)
+    scaling = _check_scaling(scaling)
+    _check_pooling(pooling)
+    cd = _compute_dtype(Q, K)
+    Kc = K.to(cd)
+
+    def logits(a: int, b: int) -> torch.Tensor:
+        return scaling * (Q[:, a:b].to(cd) @ Kc.transpose(1, 2))
+
+    return pooled_softmax_scores(logits, Q.shape[1], block_rows, pooling)
+
+
+def _vi_block(Lb: torch.Tensor, V: torch.Tensor, Vc: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised leave-one-out influence D_ij / sqrt(||O_i||^2 + eps) for one row block.
+
+    ``Lb`` ``[H, b, T]`` logits, ``V`` ``[H, T, Dv]`` values, ``Vc`` values centred per head
+    (distances are translation invariant; centring reduces cancellation).
+
+    Off the row maximum, p_ij <= 1/2, so D_ij = p/(1-p) * ||v_j - O_i|| is well conditioned
+    (||v_j - O_i||^2 by the expansion |v|^2 - 2 v.O + |O|^2). At the row's argmax j* (first
+    occurrence) p can round to 1, so there we use the exact identity
+    D_ij* = p_ij* * ||v_j* - O_i^(-j*)|| with O^(-j*) formed from the other positions'
+    exponentials directly. If every other position underflows (or T = 1), O^(-j*) is taken
+    as the zero vector (removing the only attended key removes the whole output).
+    """
+    H, b, T = Lb.shape
+    m, jstar = Lb.max(dim=-1, keepdim=True)            # first occurrence of the max
+    E = torch.exp(Lb - m)                               # E[.., j*] == 1
+    E_rest = E.scatter(-1, jstar, 0.0)                  # other positions only
+    rest = E_rest.sum(-1, keepdim=True)                 # [H, b, 1], sum_{u != j*} E_u
+    P = E / (1.0 + rest)
+    Oc = P @ Vc                                          # centred output
+    O = Oc + (V - Vc)[:, :1]                             # uncentred: add back the per-head mean
+    v2 = (Vc * Vc).sum(-1)                               # [H, T]
+    dist2 = (v2[:, None, :] - 2.0 * (Oc @ Vc.transpose(1, 2)) + (Oc * Oc).sum(-1, keepdim=True)).clamp_min(0.0)
+    D = P / (1.0 - P).clamp_min(0.5) * dist2.sqrt()      # off-argmax entries: 1 - p >= 1/2
+    # exact leave-one-out at the argmax (a direct weighted average: no cancellation)
+    O_minus = (E_rest @ V) / rest.clamp_min(torch.finfo(Lb.dtype).tiny)
+    O_minus = torch.where(rest > 0, O_minus, torch.zeros_like(O_minus))  # nothing left: zero output
+    v_star = torch.gather(V, 1, jstar.expand(H, b, V.shape[-1]))
+    p_star = torch.gather(P, -1, jstar)
+    D_star = p_star * (v_star - O_minus).norm(dim=-1, keepdim=True)
+    D = D.scatter(-1, jstar, D_star)
+    return D / ((O * O).sum(-1, keepdim=True) + eps).sqrt()
+
+
+def vi_scores(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    V: torch.Tensor,
+    scaling: float,
+    pooling: str = "rms",
+    eps: float = 1e-6,
+    block_rows: int = 1024,
+) -> torch.Tensor:
+    """Value-influence scores s^VI ``[H, T]`` float32 (paper Eq. (background_value_selectors)).
+
+    D_ij = ||O_i - O_i^(-j)|| = p_ij / (1 - p_ij) * ||v_j - O_i||, and
+    s^VI_j = sqrt(mean_i D_ij^2 / (||O_i||^2 + eps)) for ``rms``; ``mean`` / ``max`` pool
+    D_ij / sqrt(||O_i||^2 + eps) by mean / max. The p_ij -> 1 limit is handled exactly
+    (see :func:`_vi_block`). Computed in float32 (float64 for float64 inputs).
+    """
+    _check_qk(Q, K)
+    _check_values(V, K)
+    scaling = _check_scaling(scaling)
+    _check_pooling(pooling)
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be finite and > 0, got {eps}")
+    _check_positive_int(block_rows, "block_rows")
+    cd = _compute_dtype(Q, K, V)
+    Kc, Vf = K.to(cd), V.to(cd)
+    Vc = Vf - Vf.mean(dim=1, keepdim=True)
+    pool = RowPool(pooling)
+    for a, b in _row_blocks(Q.shape[1], block_rows):
+        Lb = scaling * (Q[:, a:b].to(cd) @ Kc.transpose(1, 2))
+        pool.update(_vi_block(Lb, Vf, Vc, eps))
+    return pool.result()
+
+
+# --------------------------------------------------------------------------------------
+# budgets and top-t selection
+# --------------------------------------------------------------------------------------
+
+_BUDGET_EPS = 1e-6  # absorbs float error so that uniform weights give exactly floor(ratio * T)
+
+
+def per_head_budgets(
+    T: int,
+    ratio: float,
+    weights: torch.Tensor | None = None,
+    num_layers: int | None = None,
+    num_heads: int | None = None,
+) -> torch.Tensor:
+    """Per layer--KV-head budgets ``[L, H]`` (paper Eq. (per_head_budget)).
+
+    t_lh = clip_[1, T](floor(a_lh * |P| * ratio * T)) with a = weights / sum(weights)
+    (uniform when ``weights`` is None, which then needs ``num_layers`` and ``num_heads``).
+    ``_BUDGET_EPS`` = 1e-6 is added before the floor (in float64) so uniform weights give
+    exactly floor(ratio * T) despite rounding in a * |P|. The realised total may differ from
+    |P| * ratio * T because of flooring and clipping (the paper says so).
+    """
+    _check_positive_int(T, "T")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise TypeError(f"ratio must be a float, got {type(ratio).__name__}")
+    if not (math.isfinite(ratio) and 0.0 < ratio <= 1.0):
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    if weights is None:
+        if num_layers is None or num_heads is None:
+            raise ValueError("num_layers and num_heads are required when weights is None")
+        _check_positive_int(num_layers, "num_layers")
+        _check_positive_int(num_heads, "num_heads")
+        a = torch.full((num_layers, num_heads), 1.0, dtype=torch.float64)
+        device = torch.device("cpu")
+    else:
+        _check_tensor(weights, "weights", 2)
+        L, H = weights.shape
+        if (num_layers is not None and num_layers != L) or (num_heads is not None and num_heads != H):
+            raise ValueError(
+                f"weights shape {tuple(weights.shape)} does not match num_layers={num_layers}, num_heads={num_heads}"
+            )
+        if L < 1 or H < 1:
+            raise ValueError(f"weights must be non-empty, got shape {tuple(weights.shape)}")
+        a = weights.detach().to(torch.float64)
+        if not bool(torch.isfinite(a).all()):
+            raise ValueError("weights contain NaN or inf")
+        if bool((a < 0).any()):
+            bad = (a < 0).nonzero()[0].tolist()
+            raise ValueError(f"weights must be nonnegative; layer {bad[0]} head {bad[1]} is {a[bad[0], bad[1]].item()}")
+        if a.sum() <= 0:
+            raise ValueError("weights must have a positive sum")
+        device = weights.device
+    a = a / a.sum()
+    raw = a * a.numel() * ratio * T
+    t = torch.floor(raw + _BUDGET_EPS).to(torch.long).clamp(1, T)
+    return t.to(device)
+
+
+def _check_scores_budgets(scores: torch.Tensor, budgets) -> torch.Tensor:
+    _check_float(scores, "scores", 2)
+    H, T = scores.shape
+    budgets = torch.as_tensor(budgets, device=scores.device)
+    if budgets.dtype.is_floating_point or budgets.dtype == torch.bool:
+        raise TypeError(f"budgets must be integer, got {budgets.dtype}")
+    if tuple(budgets.shape) != (H,):
+        raise ValueError(f"budgets must have shape {(H,)}, got {tuple(budgets.shape)}")
+    if bool(((budgets < 1) | (budgets > T)).any()):
+        h = int(((budgets < 1) | (budgets > T)).nonzero()[0])
+        raise ValueError(f"budgets must be in [1, T={T}]; head {h} has {int(budgets[h])}")
+    return budgets.long()
+
+
+def topk_anchors(scores: torch.Tensor, budgets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head top-t anchors (paper Eq. (persistent_support)).
+
+    Args:
+        scores: ``[H, T]`` finite scores.
+        budgets: ``[H]`` integers in [1, T].
+
+    Returns:
+        ``idx`` ``[H, t_max]`` long and ``valid`` ``[H, t_max]`` bool, t_max = max(budgets).
+        Head h keeps its ``budgets[h]`` highest scores, ties broken by the lowest position
+        (stable descending sort); kept positions are sorted ascending; padded slots hold 0
+        and are ``valid == False``.
+    """
+    budgets = _check_scores_budgets(scores, budgets)
+    H, T = scores.shape
+    t_max = int(budgets.max())
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :t_max]
+    valid = torch.arange(t_max, device=scores.device)[None, :] < budgets[:, None]
+    idx = torch.where(valid, order, torch.full_like(order, T))   # padding sorts last
+    idx = torch.sort(idx, dim=-1).values
+    return torch.where(valid, idx, torch.zeros_like(idx)), valid
+
+
+def _pack_left(idx: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move valid slots to the front (keeping their order) and trim to the max count."""
+    order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices
+    idx, valid = torch.gather(idx, 1, order), torch.gather(valid, 1, order)
+    t_max = int(valid.sum(-1).max())
+    idx, valid = idx[:, :t_max], valid[:, :t_max]
+    return torch.where(valid, idx, torch.zeros_like(idx)), valid
+
+
+def chunked_topk_anchors(
+    scores: torch.Tensor, budgets, chunk_len: int, min_length: int = 10_000
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-t within contiguous chunks (paper App. "KV-Based Chunking for Long Contexts").
+
+    If T <= ``min_length`` this is :func:`topk_anchors`. Otherwise the positions are split
+    into chunks of ``chunk_len`` (last one shorter) and chunk c of length T_c keeps its local
+    top t_c = clip_[1, T_c](round(t * T_c / T)) positions; the anchor set is the union.
+    ``round`` is round-half-to-even (Python / torch semantics). The realised count per head
+    may differ from ``budgets[h]`` (the paper notes this). Returns padded ``idx`` / ``valid``
+    as :func:`topk_anchors`, positions ascending.
+    """
+    budgets = _check_scores_budgets(scores, budgets)
+    _check_positive_int(chunk_len, "chunk_len")
+    if isinstance(min_length, bool) or not isinstance(min_length, int) or min_length < 0:
+        raise ValueError(f"min_length must be an int >= 0, got {min_length}")
+    H, T = scores.shape
+    if T <= min_length:
+        return topk_anchors(scores, budgets)
+    idx_parts, valid_parts = [], []
+    for start in range(0, T, chunk_len):
+        stop = min(start + chunk_len, T)
+        Tc = stop - start
+        tc = torch.round(budgets.double() * Tc / T).long().clamp(1, Tc)
+        idx_c, valid_c = topk_anchors(scores[:, start:stop], tc)
+        idx_parts.append(idx_c + start)
+        valid_parts.append(valid_c)
+    return _pack_left(torch.cat(idx_parts, dim=1), torch.cat(valid_parts, dim=1))
+
+
+def anchor_counts(valid: torch.Tensor) -> torch.Tensor:
+    """Realised number of anchors per head, ``[H]`` long."""
+    return valid.sum(-1)
+
+
+__all__: Sequence[str] = (
+    "POOLINGS",
+    "RowPool",
+    "pool_rows",
+    "pool_probs",
+    "pool_logits",
+    "pooled_softmax_scores",
+    "ha_scores",
+    "vi_scores",
+    "per_head_budgets",
+    "topk_anchors",
+    "chunked_topk_anchors",
+    "anchor_counts",
+)

@@ -1,0 +1,250 @@
+"""Saving and loading value-aware indexer checkpoints.
+
+A checkpoint is a directory with two files:
+
+- ``indexer.safetensors``: the stacked parameters (names of
+  :data:`arckv_press.indexer.model.PARAM_NAMES`, shapes ``[P, ...]``) and, optionally,
+  ``budget_weights [num_layers, num_kv_heads]``: the per-head budget weights ``a_{l,h}`` of
+  paper Eq. (per_head_budget).
+- ``metadata.json``: :class:`IndexerMetadata` (base model id, base-config hash, indexer config,
+  training-data summary, package version, creation date, format version).
+
+:func:`load_indexer` refuses a checkpoint trained for another base model: an indexer is tied
+to the keys, values and activations of one frozen model (paper Sec. 3.4).
+Shipped checkpoints live in ``arckv_press/indexer/weights/<model id with '/' -> '--'>/``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from .model import PARAM_NAMES, IndexerConfig, ValueAwareIndexer
+
+__all__ = [
+    "FORMAT_VERSION",
+    "WEIGHTS_FILE",
+    "METADATA_FILE",
+    "WEIGHTS_DIR",
+    "IndexerMetadata",
+    "config_hash",
+    "model_dir_name",
+    "save_indexer",
+    "load_indexer",
+    "read_metadata",
+    "default_indexer_path",
+]
+
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "indexer.safetensors"
+METADATA_FILE = "metadata.json"
+#: Directory of the weights shipped with the package.
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+
+#: Base-model config fields that determine the tensors an indexer sees.
+_HASH_FIELDS = (
+    "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_size", "intermediate_size", "vocab_size", "rope_theta", "rope_scaling",
+    "rope_parameters", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+)
+
+
+@dataclass
+class IndexerMetadata:
+    """Metadata stored next to the weights.
+
+    Attributes:
+        model_id: Hugging Face id (or path) of the frozen base model the indexer was trained on.
+        config_hash: :func:`config_hash` of the base model's config.
+        indexer_config: :class:`IndexerConfig` as a dict.
+        has_budget_weights: whether ``budget_weights [L, H]`` is stored.
+        training: free-form summary of the training data and schedule (JSON-serialisable).
+        package_version: ``arckv_press.__version__`` at save time.
+        created: ISO-8601 UTC timestamp of the save.
+        format_version: checkpoint format version (:data:`FORMAT_VERSION`).
+    """
+
+    model_id: str
+    config_hash: str
+    indexer_config: dict[str, Any]
+    has_budget_weights: bool = False
+    training: dict[str, Any] = field(default_factory=dict)
+    package_version: str = ""
+    created: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "metadata") -> "IndexerMetadata":
+        required = ("model_id", "config_hash", "indexer_config")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ValueError(f"{source}: missing metadata fields {missing}")
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def config_hash(model_config: Any) -> str:
+    """Short sha256 fingerprint of the architecture fields of a base-model config.
+
+    Accepts a Hugging Face ``PretrainedConfig`` (its ``text_config`` if any) or a plain dict.
+    Only the fields in ``_HASH_FIELDS`` that are present enter the hash, so the fingerprint
+    ignores run-time options (dtype, attention implementation, ...).
+    """
+    if not isinstance(model_config, dict):
+        cfg = getattr(model_config, "text_config", None) or model_config
+        model_config = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+    picked = {k: model_config[k] for k in _HASH_FIELDS if model_config.get(k) is not None}
+    blob = json.dumps(picked, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def model_dir_name(model_id: str) -> str:
+    """Directory name of a model id: ``'org/name'`` -> ``'org--name'``."""
+    if not isinstance(model_id, str) or not model_id:
+        raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
+    return model_id.strip("/").replace("/", "--")
+
+
+def _package_version() -> str:
+    try:
+        from arckv_press import __version__
+    except ImportError:  # pragma: no cover
+        return "unknown"
+    return __version__
+
+
+def _check_budget_weights(budget_weights: Tensor, config: IndexerConfig) -> Tensor:
+    if not isinstance(budget_weights, Tensor):
+        raise TypeError(f"budget_weights must be a torch.Tensor, got {type(budget_weights).__name__}")
+    shape = (config.num_layers, config.num_kv_heads)
+    if tuple(budget_weights.shape) != shape:
+        raise ValueError(f"budget_weights must have shape {shape} [num_layers, num_kv_heads], "
+                         f"got {tuple(budget_weights.shape)}")
+    bw = budget_weights.detach().to(torch.float32).cpu().contiguous()
+    if not torch.isfinite(bw).all() or (bw < 0).any():
+        raise ValueError("budget_weights must be finite and nonnegative")
+    return bw
+
+
+def save_indexer(indexer: ValueAwareIndexer, path: str | Path, model_id: str, config_hash: str,
+                 budget_weights: Tensor | None = None, training: dict[str, Any] | None = None
+                 ) -> Path:
+    """Write ``indexer`` (and optional ``budget_weights [L, H]``) to directory ``path``.
+
+    Returns the directory. Existing files of the same names are overwritten.
+    """
+    if not isinstance(indexer, ValueAwareIndexer):
+        raise TypeError(f"indexer must be a ValueAwareIndexer, got {type(indexer).__name__}")
+    model_dir_name(model_id)  # validates
+    if not isinstance(config_hash, str) or not config_hash:
+        raise ValueError(f"config_hash must be a non-empty string, got {config_hash!r}")
+    training = dict(training or {})
+    json.dumps(training)  # fail early on non-serialisable summaries
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {name: getattr(indexer, name).detach().cpu().contiguous() for name in PARAM_NAMES}
+    for name, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise ValueError(f"save_indexer: parameter {name} contains NaN or inf")
+    if budget_weights is not None:
+        tensors["budget_weights"] = _check_budget_weights(budget_weights, indexer.config)
+    meta = IndexerMetadata(
+        model_id=model_id,
+        config_hash=config_hash,
+        indexer_config=indexer.config.to_dict(),
+        has_budget_weights=budget_weights is not None,
+        training=training,
+        package_version=_package_version(),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "arckv-indexer",
+                                                          "format_version": str(FORMAT_VERSION)})
+    (path / METADATA_FILE).write_text(meta.to_json() + "\n")
+    return path
+
+
+def read_metadata(path: str | Path) -> IndexerMetadata:
+    """Read ``metadata.json`` of a checkpoint directory."""
+    path = Path(path)
+    meta_file = path / METADATA_FILE
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"no {METADATA_FILE} in indexer checkpoint {path}")
+    try:
+        data = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{meta_file}: invalid JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{meta_file}: expected a JSON object")
+    meta = IndexerMetadata.from_dict(data, source=str(meta_file))
+    if meta.format_version > FORMAT_VERSION:
+        raise ValueError(f"{meta_file}: format_version {meta.format_version} is newer than the "
+                         f"supported {FORMAT_VERSION}; upgrade arckv-press")
+    return meta
+
+
+def load_indexer(path: str | Path, model_id: str | None = None, config_hash: str | None = None,
+                 map_location: str | torch.device = "cpu"
+                 ) -> tuple[ValueAwareIndexer, IndexerMetadata, Tensor | None]:
+    """Load a checkpoint directory, checking it belongs to the requested base model.
+
+    Args:
+        path: checkpoint directory (see module docstring).
+        model_id: if given, must equal the stored ``model_id``.
+        config_hash: if given, must equal the stored ``config_hash`` (see :func:`config_hash`).
+        map_location: device for the loaded tensors.
+
+    Returns:
+        ``(indexer, metadata, budget_weights)``; ``budget_weights`` is ``[L, H]`` or ``None``.
+
+    Raises:
+        ValueError: mismatched model id or config hash (the message names both), or weights
+            inconsistent with the stored indexer config.
+    """
+    path = Path(path)
+    meta = read_metadata(path)
+    if model_id is not None and model_id != meta.model_id:
+        raise ValueError(f"indexer checkpoint {path} was trained for model {meta.model_id!r}, "
+                         f"not for the requested model {model_id!r}")
+    if config_hash is not None and config_hash != meta.config_hash:
+        raise ValueError(f"indexer checkpoint {path} has base-config hash {meta.config_hash!r} "
+                         f"(model {meta.model_id!r}) but the requested model has config hash "
+                         f"{config_hash!r}{'' if model_id is None else f' (model {model_id!r})'}")
+    weights_file = path / WEIGHTS_FILE
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} in indexer checkpoint {path}")
+    config = IndexerConfig.from_dict(meta.indexer_config)
+    tensors = load_file(str(weights_file), device=str(map_location))
+    missing = [n for n in PARAM_NAMES if n not in tensors]
+    if missing:
+        raise ValueError(f"{weights_file}: missing parameters {missing}")
+    indexer = ValueAwareIndexer(config).to(map_location)
+    for name, shape in config.param_shapes().items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{weights_file}: parameter {name} has shape {tuple(tensors[name].shape)}, "
+                             f"the stored indexer config implies {shape}")
+    indexer.load_state_dict({n: tensors[n] for n in PARAM_NAMES})
+    budget = tensors.get("budget_weights")
+    if meta.has_budget_weights and budget is None:
+        raise ValueError(f"{weights_file}: metadata announces budget_weights but none are stored")
+    if budget is not None:
+        _check_budget_weights(budget, config)
+    return indexer, meta, budget
+
+
+def default_indexer_path(model_id: str) -> Path | None:
+    """Directory of the shipped checkpoint for ``model_id``, or ``None`` if none is shipped."""
+    path = WEIGHTS_DIR / model_dir_name(model_id)
+    if (path / WEIGHTS_FILE).is_file() and (path / METADATA_FILE).is_file():
+        return path
+    return None

@@ -1,0 +1,463 @@
+"""The value-aware indexer (paper Sec. 3.2 and App. "Value-Aware Indexer Architecture").
+
+For every layer--KV-head pair the indexer holds an independent parameter set (paper
+Eqs. (indexer_parameters) and (value_indexer_parameters)); here the sets are stacked on a
+leading pair axis ``P = num_layers * num_kv_heads`` with pair index ``p = layer * H + h``, so
+all KV heads of one layer are evaluated in one batched pass.
+
+For a reference row ``i`` (activation ``x_i``, post-RoPE query ``q_i``) and cache position ``j``
+(post-RoPE key ``k_j``, value ``v_j``):
+
+- value context, Eq. (value_context)::
+
+      A^V_ij = softmax_j( s_A * (U_q q_i) . (U_k k_j) ),     c_i = sum_j A^V_ij U_v v_j
+
+- projections, Eq. (indexer_projection), with ``N(z) = z / sqrt(||z||^2 / d_I + 1e-6)`` applied
+  to every width-``d_I`` block ``a``::
+
+      qbar_ia = N((L_q q_i + L_c c_i)_a),  kbar_ja = N((L_k k_j + L_v v_j)_a),  w_ia = (L_x x_i + b_x)_a
+
+- logit, Eq. (pairwise_index_score)::
+
+      I_ij = sum_a w_ia LeakyReLU_0.1( qbar_ia . kbar_ja / sqrt(d_I) )
+
+- context-level score, Eq. (indexer_pooling): ``pi_ij = softmax_j(I_ij)`` pooled over rows
+  (``rms`` in the paper; ``mean`` and ``max`` are offered for ablations).
+
+Implementation choices not fixed by the paper (documented deviations):
+
+- ``s_A`` (``IndexerConfig.value_attn_scale``): the paper writes the value-attention logit
+  without a scale; we default to ``d_A ** -0.5`` (standard dot-product scaling) because with
+  ``U_*`` initialised at std ``d ** -0.5`` the unscaled logits of real post-RoPE queries
+  (norms ~10-30) saturate the softmax. Set ``value_attn_scale=1.0`` for the literal formula.
+- Initialisation of ``L_q``, ``L_k``, ``L_x``, ``b_x`` (the paper only fixes ``L_c = L_v = 0`` and
+  ``U_*`` std ``d ** -0.5``): ``L_q`` and ``L_k`` start as the *same* Gaussian matrix with std
+  ``d ** -0.5`` (a random subspace projection), so every index head initially scores the cosine
+  of ``q`` and ``k`` in a random ``d_I``-dimensional subspace, a rough proxy of the attention
+  logit; ``L_x`` ~ N(0, ``init_std_x``^2) (small) and ``b_x = init_bias_x`` (1.0), so the initial
+  head weights are ~1 and do not depend on ``x``. The copies are not tied during training.
+
+Because ``L_c = L_v = 0`` at initialisation, ``c_i`` does not enter ``qbar`` and ``v_j`` does not
+enter ``kbar``: a query--key-only parameter set reproduces its logits exactly whatever ``U_*``
+are (the property stated in the paper), tested in ``tests/test_indexer.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "IndexerConfig",
+    "ValueAwareIndexer",
+    "PARAM_NAMES",
+    "POOLINGS",
+    "rms_normalize",
+    "value_context",
+    "query_features",
+    "key_features",
+    "row_weights",
+    "pair_logits",
+    "layer_logits",
+]
+
+#: Names of the per-pair parameter tensors (paper Eqs. (indexer_parameters), (value_indexer_parameters)).
+PARAM_NAMES = ("L_q", "L_k", "L_x", "b_x", "U_q", "U_k", "U_v", "L_c", "L_v")
+#: Row poolings accepted by :meth:`ValueAwareIndexer.scores` (paper Eq. (indexer_pooling) is ``rms``).
+POOLINGS = ("rms", "mean", "max")
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Shape of a value-aware indexer for one base model.
+
+    Attributes:
+        num_layers: number of decoder layers of the base model (all get an indexer).
+        num_kv_heads: KV heads per layer (``H``); pairs ``P = num_layers * num_kv_heads``.
+        head_dim: key/value/query head width ``d``.
+        d_x: width of the pre-query-projection activation ``x`` (the model's hidden size).
+        n_index_heads: number of index heads ``H_I``.
+        d_index: width ``d_I`` of each index head.
+        d_value_attn: width ``d_A`` of the auxiliary value-attention head.
+        leaky_slope: negative slope of the LeakyReLU in Eq. (pairwise_index_score) (0.1).
+        rms_eps: epsilon of the parameter-free RMS normalisation ``N`` (1e-6).
+        value_attn_scale: logit scale ``s_A`` of the value attention; ``None`` means
+            ``d_value_attn ** -0.5`` (see module docstring: not in the paper).
+        init_std_x: std of the initial ``L_x`` entries.
+        init_bias_x: initial value of every ``b_x`` entry.
+
+    The defaults ``H_I = 4, d_I = d_A = 16`` give 18,692 parameters per pair for the default
+    model SmolLM2-135M (``d = 64``, ``d_x = 576``, 30 x 3 pairs): 1.68M parameters, 1.25% of
+    its 134.5M (the paper's indexers are 0.57-2.13% of their backbones with
+    ``H_I = 8, d_I = d_A = 128``).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    d_x: int
+    n_index_heads: int = 4
+    d_index: int = 16
+    d_value_attn: int = 16
+    leaky_slope: float = 0.1
+    rms_eps: float = 1e-6
+    value_attn_scale: float | None = None
+    init_std_x: float = 0.02
+    init_bias_x: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "d_x", "n_index_heads",
+                     "d_index", "d_value_attn"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"IndexerConfig.{name} must be a positive int, got {value!r}")
+        for name in ("leaky_slope", "init_std_x", "init_bias_x"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"IndexerConfig.{name} must be finite, got {value!r}")
+        if not (self.rms_eps > 0 and math.isfinite(self.rms_eps)):
+            raise ValueError(f"IndexerConfig.rms_eps must be positive, got {self.rms_eps!r}")
+        if self.value_attn_scale is not None and not (
+            self.value_attn_scale > 0 and math.isfinite(self.value_attn_scale)
+        ):
+            raise ValueError(
+                f"IndexerConfig.value_attn_scale must be positive or None, got {self.value_attn_scale!r}"
+            )
+
+    @property
+    def num_pairs(self) -> int:
+        return self.num_layers * self.num_kv_heads
+
+    @property
+    def attn_scale(self) -> float:
+        """Value-attention logit scale ``s_A`` actually used."""
+        return self.d_value_attn ** -0.5 if self.value_attn_scale is None else self.value_attn_scale
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the stacked parameters ``[P, ...]`` (paper Eqs. (indexer_parameters),
+        (value_indexer_parameters))."""
+        P, d, d_x = self.num_pairs, self.head_dim, self.d_x
+        HI, dI, dA = self.n_index_heads, self.d_index, self.d_value_attn
+        return {
+            "L_q": (P, HI * dI, d),
+            "L_k": (P, HI * dI, d),
+            "L_x": (P, HI, d_x),
+            "b_x": (P, HI),
+            "U_q": (P, dA, d),
+            "U_k": (P, dA, d),
+            "U_v": (P, dA, d),
+            "L_c": (P, HI * dI, dA),
+            "L_v": (P, HI * dI, d),
+        }
+
+    def params_per_pair(self) -> int:
+        return sum(math.prod(s[1:]) for s in self.param_shapes().values())
+
+    def num_parameters(self) -> int:
+        return self.num_pairs * self.params_per_pair()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "IndexerConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown IndexerConfig fields {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def from_model_config(cls, model_config: Any, **overrides: Any) -> "IndexerConfig":
+        """Build the config from a Hugging Face ``PretrainedConfig`` (``num_hidden_layers``,
+        ``num_key_value_heads``, ``head_dim`` or ``hidden_size // num_attention_heads``,
+        ``hidden_size``); keyword overrides set the indexer sizes."""
+        cfg = getattr(model_config, "text_config", None) or model_config
+        n_heads = int(cfg.num_attention_heads)
+        n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        return cls(
+            num_layers=int(cfg.num_hidden_layers),
+            num_kv_heads=n_kv,
+            head_dim=int(head_dim),
+            d_x=int(cfg.hidden_size),
+            **overrides,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure functions on one layer's parameters: ``p[name]`` has shape ``[H, ...]`` (H KV heads).
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_normalize(z: Tensor, eps: float = 1e-6) -> Tensor:
+    """Parameter-free RMS normalisation ``N(z) = z / sqrt(||z||^2 / d_I + eps)`` over the last
+    axis (paper Eq. (indexer_projection))."""
+    return z * torch.rsqrt(z.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def value_context(p: dict[str, Tensor], Q: Tensor, K: Tensor, V: Tensor, scale: float,
+                  block_T: int | None = None) -> Tensor:
+    """Value context ``c_i`` of paper Eq. (value_context), ``[H, n, d_A]``.
+
+    Blocks over cache positions with an online softmax (running max and denominator), so
+    memory is ``O(n * block_T)`` whatever ``T``.
+    """
+    qa = torch.einsum("had,hnd->hna", p["U_q"], Q) * scale  # [H, n, dA]
+    T = K.shape[1]
+    block_T = T if block_T is None else block_T
+    m = l = acc = None
+    for j0 in range(0, T, block_T):
+        ka = torch.einsum("had,htd->hta", p["U_k"], K[:, j0:j0 + block_T])  # [H, b, dA]
+        va = torch.einsum("had,htd->hta", p["U_v"], V[:, j0:j0 + block_T])
+        a = qa @ ka.transpose(1, 2)  # [H, n, b]
+        a_max = a.amax(dim=-1)
+        if m is None:
+            m = a_max
+            e = torch.exp(a - m[..., None])
+            l, acc = e.sum(-1), e @ va
+        else:
+            m_new = torch.maximum(m, a_max)
+            corr = torch.exp(m - m_new)
+            e = torch.exp(a - m_new[..., None])
+            l = l * corr + e.sum(-1)
+            acc = acc * corr[..., None] + e @ va
+            m = m_new
+    return acc / l[..., None]
+
+
+def query_features(p: dict[str, Tensor], Q: Tensor, c: Tensor, cfg: IndexerConfig) -> Tensor:
+    """``qbar`` of paper Eq. (indexer_projection): ``[H, n, H_I, d_I]``."""
+    z = torch.einsum("hed,hnd->hne", p["L_q"], Q) + torch.einsum("hea,hna->hne", p["L_c"], c)
+    z = z.unflatten(-1, (cfg.n_index_heads, cfg.d_index))
+    return rms_normalize(z, cfg.rms_eps)
+
+
+def key_features(p: dict[str, Tensor], K: Tensor, V: Tensor, cfg: IndexerConfig) -> Tensor:
+    """``kbar`` of paper Eq. (indexer_projection): ``[H, T, H_I, d_I]``."""
+    z = torch.einsum("hed,htd->hte", p["L_k"], K) + torch.einsum("hed,htd->hte", p["L_v"], V)
+    z = z.unflatten(-1, (cfg.n_index_heads, cfg.d_index))
+    return rms_normalize(z, cfg.rms_eps)
+
+
+def row_weights(p: dict[str, Tensor], X: Tensor) -> Tensor:
+    """Index-head weights ``w_i = L_x x_i + b_x`` of paper Eq. (indexer_projection): ``[H, n, H_I]``."""
+    return torch.einsum("hax,nx->hna", p["L_x"], X) + p["b_x"][:, None, :]
+
+
+def pair_logits(qbar: Tensor, kbar: Tensor, w: Tensor, slope: float = 0.1) -> Tensor:
+    """Indexer logits of paper Eq. (pairwise_index_score): ``[H, n, T]``.
+
+    ``qbar [H, n, H_I, d_I]``, ``kbar [H, T, H_I, d_I]``, ``w [H, n, H_I]``; one batched matmul
+    over (KV head, index head).
+    """
+    d_I = qbar.shape[-1]
+    s = qbar.permute(0, 2, 1, 3) @ kbar.permute(0, 2, 3, 1)  # [H, H_I, n, T]
+    s = F.leaky_relu(s * d_I ** -0.5, negative_slope=slope)
+    return torch.einsum("hani,hna->hni", s, w)
+
+
+def layer_logits(p: dict[str, Tensor], cfg: IndexerConfig, X: Tensor, Q: Tensor, K: Tensor,
+                 V: Tensor) -> Tensor:
+    """Dense indexer logits ``I [H, n, T]`` for one layer's parameters ``p`` (differentiable)."""
+    c = value_context(p, Q, K, V, cfg.attn_scale)
+    return pair_logits(query_features(p, Q, c, cfg), key_features(p, K, V, cfg),
+                       row_weights(p, X), cfg.leaky_slope)
+
+
+# ----------------------------------------------------------------------------------------------
+# Module with the stacked parameters.
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, t: Any, ndim: int) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def _check_block(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class ValueAwareIndexer(nn.Module):
+    """Value-aware indexer for every layer--KV-head pair of one base model.
+
+    Parameters (stacked over pairs ``p = layer * num_kv_heads + h``): ``L_q, L_k
+    [P, H_I*d_I, d]``, ``L_x [P, H_I, d_x]``, ``b_x [P, H_I]``, ``U_q, U_k, U_v [P, d_A, d]``,
+    ``L_c [P, H_I*d_I, d_A]``, ``L_v [P, H_I*d_I, d]``. Initialisation: see the module docstring.
+    Inputs of any float dtype are cast to the parameter dtype; outputs have the parameter dtype.
+    """
+
+    def __init__(self, config: IndexerConfig, seed: int = 0) -> None:
+        super().__init__()
+        if not isinstance(config, IndexerConfig):
+            raise TypeError(f"config must be an IndexerConfig, got {type(config).__name__}")
+        self.config = config
+        for name, shape in config.param_shapes().items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Initialise deterministically from ``seed`` (paper App. "Value-Aware Indexer
+        Architecture": ``L_c = L_v = 0``, ``U_*`` std ``d ** -0.5``; rest: module docstring)."""
+        cfg = self.config
+        gen = torch.Generator().manual_seed(seed)
+        std_d = cfg.head_dim ** -0.5
+
+        def normal(shape: tuple[int, ...], std: float) -> Tensor:
+            return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+        shapes = cfg.param_shapes()
+        proj = normal(shapes["L_q"], std_d)
+        self.L_q.copy_(proj)
+        self.L_k.copy_(proj)
+        self.L_x.copy_(normal(shapes["L_x"], cfg.init_std_x))
+        self.b_x.fill_(cfg.init_bias_x)
+        for name in ("U_q", "U_k", "U_v"):
+            getattr(self, name).copy_(normal(shapes[name], std_d))
+        self.L_c.zero_()
+        self.L_v.zero_()
+
+    # -- parameter access ------------------------------------------------------------------
+
+    def _check_layer(self, layer: Any) -> None:
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.config.num_layers})")
+
+    def layer_params(self, layer: int) -> dict[str, Tensor]:
+        """Views ``[H, ...]`` of the parameters of every KV head of ``layer``."""
+        self._check_layer(layer)
+        H = self.config.num_kv_heads
+        return {name: getattr(self, name)[layer * H:(layer + 1) * H] for name in PARAM_NAMES}
+
+    @torch.no_grad()
+    def set_layer_params(self, layer: int, params: dict[str, Tensor]) -> None:
+        """Copy per-layer tensors ``[H, ...]`` (e.g. trained copies) into the stacked parameters."""
+        for name, view in self.layer_params(layer).items():
+            if name not in params:
+                raise ValueError(f"set_layer_params: missing parameter {name!r}")
+            if tuple(params[name].shape) != tuple(view.shape):
+                raise ValueError(f"set_layer_params: {name} has shape {tuple(params[name].shape)}, "
+                                 f"expected {tuple(view.shape)} (layer {layer})")
+            view.copy_(params[name])
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # -- evaluation -----------------------------------------------------------------------
+
+    def _prepare(self, layer: int, X: Tensor, Q: Tensor, K: Tensor, V: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        self._check_layer(layer)
+        cfg = self.config
+        for name, t in (("X", X), ("Q", Q), ("K", K), ("V", V)):
+            _check_tensor(name, t, 2 if name == "X" else 3)
+        H, D = cfg.num_kv_heads, cfg.head_dim
+        if Q.shape[0] != H or Q.shape[2] != D:
+            raise ValueError(f"Q must be [H={H}, n, D={D}], got {tuple(Q.shape)} (layer {layer})")
+        if K.shape[0] != H or K.shape[2] != D or K.shape[1] < 1:
+            raise ValueError(f"K must be [H={H}, T>=1, D={D}], got {tuple(K.shape)} (layer {layer})")
+        if V.shape != K.shape:
+            raise ValueError(f"V shape {tuple(V.shape)} must equal K shape {tuple(K.shape)} (layer {layer})")
+        if X.shape != (Q.shape[1], cfg.d_x):
+            raise ValueError(f"X must be [n_rows={Q.shape[1]}, d_x={cfg.d_x}] aligned with the rows "
+                             f"of Q, got {tuple(X.shape)} (layer {layer})")
+        dtype = self.L_q.dtype
+        return X.to(dtype), Q.to(dtype), K.to(dtype), V.to(dtype)
+
+    def logits(self, layer: int, X: Tensor, Q: Tensor, K: Tensor, V: Tensor) -> Tensor:
+        """Indexer logits ``I [H, n, T]`` (paper Eq. (pairwise_index_score)) for all KV heads of
+        ``layer`` in one batched pass.
+
+        Args:
+            layer: decoder layer index.
+            X: ``[n, d_x]`` pre-query-projection activations, row ``i`` aligned with row ``i``
+                of ``Q[h]`` for every head (under GQA repeat ``x_r`` for each query head).
+            Q: ``[H, n, D]`` post-RoPE reference queries.
+            K, V: ``[H, T, D]`` post-RoPE keys and values of the cache.
+        """
+        X, Q, K, V = self._prepare(layer, X, Q, K, V)
+        return layer_logits(self.layer_params(layer), self.config, X, Q, K, V)
+
+    @torch.no_grad()
+    def scores(self, layer: int, X: Tensor, Q: Tensor, K: Tensor, V: Tensor, pooling: str = "rms",
+               block_rows: int = 256, block_T: int = 4096) -> Tensor:
+        """Context-level scores ``s [H, T]`` (paper Eq. (indexer_pooling)), computed blockwise.
+
+        Rows are processed ``block_rows`` at a time and positions ``block_T`` at a time: the
+        value context uses an online softmax over position blocks, then the row-wise softmax
+        of ``I`` uses a first pass for the log-partition and a second pass to accumulate the
+        pooled statistic, so no ``[n, T]`` tensor is ever formed (peak intermediate
+        ``[H, H_I, block_rows, block_T]``). When ``block_T >= T`` the logits are computed once.
+        Runs without autograd (inference); training pools differentiable logits instead.
+        Same arguments as :meth:`logits`; ``pooling`` in ``rms | mean | max``.
+        """
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        _check_block("block_rows", block_rows)
+        _check_block("block_T", block_T)
+        X, Q, K, V = self._prepare(layer, X, Q, K, V)
+        cfg, p = self.config, self.layer_params(layer)
+        n, T = Q.shape[1], K.shape[1]
+        if n < 1:
+            raise ValueError(f"scores needs at least one reference row, got Q {tuple(Q.shape)}")
+        kbar = key_features(p, K, V, cfg)  # [H, T, H_I, d_I]: O(T) like K itself
+        acc = torch.zeros(Q.shape[0], T, dtype=Q.dtype, device=Q.device)
+        t_blocks = [(j0, min(T, j0 + block_T)) for j0 in range(0, T, block_T)]
+        for r0 in range(0, n, block_rows):
+            Qb, Xb = Q[:, r0:r0 + block_rows], X[r0:r0 + block_rows]
+            c = value_context(p, Qb, K, V, cfg.attn_scale, block_T)
+            qbar, w = query_features(p, Qb, c, cfg), row_weights(p, Xb)
+
+            def block_logits(j0: int, j1: int) -> Tensor:
+                return pair_logits(qbar, kbar[:, j0:j1], w, cfg.leaky_slope)
+
+            if len(t_blocks) == 1:
+                probs = [torch.softmax(block_logits(0, T), dim=-1)]
+            else:
+                m = s = None  # online log-sum-exp over position blocks
+                for j0, j1 in t_blocks:
+                    I = block_logits(j0, j1)
+                    b_max = I.amax(-1)
+                    if m is None:
+                        m, s = b_max, torch.exp(I - b_max[..., None]).sum(-1)
+                    else:
+                        m_new = torch.maximum(m, b_max)
+                        s = s * torch.exp(m - m_new) + torch.exp(I - m_new[..., None]).sum(-1)
+                        m = m_new
+                lse = (m + torch.log(s))[..., None]
+                probs = (torch.exp(block_logits(j0, j1) - lse) for j0, j1 in t_blocks)
+            for (j0, j1), pi in zip(t_blocks, probs):
+                if pooling == "rms":
+                    acc[:, j0:j1] += pi.pow(2).sum(1)
+                elif pooling == "mean":
+                    acc[:, j0:j1] += pi.sum(1)
+                else:
+                    acc[:, j0:j1] = torch.maximum(acc[:, j0:j1], pi.amax(1))
+        if pooling == "rms":
+            return (acc / n).sqrt()
+        if pooling == "mean":
+            return acc / n
+        return acc
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"pairs={c.num_pairs} (layers={c.num_layers} x kv_heads={c.num_kv_heads}), "
+                f"H_I={c.n_index_heads}, d_I={c.d_index}, d_A={c.d_value_attn}, "
+                f"params={self.num_parameters():,}")

@@ -1,0 +1,110 @@
+"""Shared pytest fixtures for arckv-press.
+
+- ``default_model`` / ``default_model_fp32`` (session): ``(model, tokenizer)`` of the embedded
+  SmolLM2-135M-Instruct in bfloat16 / float32, from ``arckv_press.models.load_model``. The first
+  run converts the GGUF file into the cache (``$ARCKV_CACHE_DIR`` or ``~/.cache/arckv-press``,
+  about 30 s); later runs load the cached folder (about 1 s).
+- ``tiny_model``: factory ``tiny_model(family, num_layers=2, seed=0, **config_overrides)`` that
+  builds a tiny random-weight decoder in float32 with GQA (4 query heads, 2 KV heads,
+  head_dim 16, hidden 64, vocab 128) and ``attn_implementation="sdpa"``, in eval mode.
+  Families: ``TINY_FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingface_hub
+
+from typing import Any, Callable  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+
+TINY_VOCAB = 128
+TINY_HIDDEN = 64
+TINY_Q_HEADS = 4
+TINY_KV_HEADS = 2
+TINY_HEAD_DIM = 16
+
+
+def tiny_config(family: str, num_layers: int = 2, **overrides: Any) -> Any:
+    """Config of a tiny GQA decoder of the given family (see module docstring).
+
+    Gemma3 alternates ``sliding_attention`` (even layers) and ``full_attention`` (odd layers) with
+    the library's default ``sliding_window`` (4096: no effect on short sequences; override
+    ``sliding_window=`` to make it bite) and ``query_pre_attn_scalar = head_dim``.
+    Mistral gets ``sliding_window=None`` (as Mistral-7B-v0.3: full attention everywhere; pass
+    ``sliding_window=4096`` for the v0.1 layout where every layer slides).
+    """
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    if not 1 <= num_layers <= 8:
+        raise ValueError(f"num_layers must be in [1, 8] for a tiny model, got {num_layers}")
+    common: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=TINY_HIDDEN,
+        intermediate_size=2 * TINY_HIDDEN,
+        num_hidden_layers=num_layers,
+        num_attention_heads=TINY_Q_HEADS,
+        num_key_value_heads=TINY_KV_HEADS,
+        head_dim=TINY_HEAD_DIM,
+        max_position_embeddings=1024,
+    )
+    if family == "llama":
+        cfg_cls = LlamaConfig
+    elif family == "qwen2":
+        cfg_cls = Qwen2Config
+    elif family == "qwen3":
+        cfg_cls = Qwen3Config
+    elif family == "mistral":
+        cfg_cls = MistralConfig
+        common["sliding_window"] = None
+    elif family == "gemma3":
+        cfg_cls = Gemma3TextConfig
+        common["query_pre_attn_scalar"] = TINY_HEAD_DIM
+        common["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        ]
+    else:
+        raise ValueError(f"unknown tiny model family {family!r}; expected one of {TINY_FAMILIES}")
+    common.update(overrides)
+    return cfg_cls(**common)
+
+
+def build_tiny_model(family: str, num_layers: int = 2, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """Tiny random-weight causal LM (float32, sdpa, eval mode), deterministic in ``seed``.
+
+    The global torch RNG state is left untouched.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, num_layers=num_layers, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture
+def tiny_model() -> Callable[..., torch.nn.Module]:
+    """Factory: ``tiny_model("qwen3", num_layers=2, seed=0, **config_overrides)``."""
+    return build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def default_model() -> tuple[torch.nn.Module, Any]:
+    """``(model, tokenizer)`` of the default SmolLM2-135M-Instruct in bfloat16 (session-wide)."""
+    from arckv_press.models import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def default_model_fp32() -> tuple[torch.nn.Module, Any]:
+    """``(model, tokenizer)`` of the default SmolLM2-135M-Instruct in float32 (session-wide)."""
+    from arckv_press.models import load_model
+
+    return load_model(dtype=torch.float32)

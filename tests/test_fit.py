@@ -1,0 +1,277 @@
+"""Tests for arckv_press.compaction.fit against numpy / scipy float64 references."""
+
+import logging
+
+import numpy as np
+import pytest
+import scipy.optimize
+import torch
+
+from arckv_press.compaction.fit import (
+    FitConfig,
+    attention_mass_error,
+    compact_attention,
+    fit_beta,
+    fit_values,
+    full_attention,
+    spd_solve,
+)
+
+
+def _rand(*shape, seed=0, dtype=torch.float64, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def _np_softmax(L):
+    E = np.exp(L - L.max(-1, keepdims=True))
+    return E / E.sum(-1, keepdims=True)
+
+
+def _np_phi(Q, K, C, scaling):
+    """Phi_K 1 and Phi_C of paper Eq. (mass_fit) for one head (z over the full K)."""
+    Lk = scaling * Q @ K.T
+    z = Lk.max(-1, keepdims=True)
+    return np.exp(Lk - z).sum(-1), np.exp(scaling * Q @ C.T - z)
+
+
+def _np_beta(w, eps=1e-12, b_min=-20.0, b_max=20.0):
+    return np.clip(np.log(np.maximum(w, eps)), b_min, b_max)
+
+
+def _problem(H=2, n=40, T=25, t=6, D=8, seed=0):
+    Q, K, V = _rand(H, n, D, seed=seed), _rand(H, T, D, seed=seed + 1), _rand(H, T, D, seed=seed + 2)
+    C = _rand(H, t, D, seed=seed + 3, scale=0.8)   # compact keys unrelated to K: some w~ < 0
+    return Q, K, V, C
+
+
+# ----------------------------------------------------------------------------- beta
+
+
+def test_fit_beta_ls_clamp_matches_numpy_lstsq():
+    Q, K, V, C = _problem()
+    beta, w = fit_beta(Q, K, C, 0.4, config=FitConfig(block_rows=7))
+    assert beta.dtype == torch.float64 and w.dtype == torch.float32 and beta.shape == (2, 6)
+    saw_clamp = False
+    for h in range(2):
+        y, Phi = _np_phi(Q[h].numpy(), K[h].numpy(), C[h].numpy(), 0.4)
+        w_ls = np.linalg.lstsq(Phi, y, rcond=None)[0]
+        saw_clamp |= bool((w_ls < 0).any())
+        w_ref = np.maximum(w_ls, 0)
+        np.testing.assert_allclose(w[h].numpy(), w_ref, rtol=1e-6, atol=1e-6 * np.abs(w_ls).max())
+        np.testing.assert_allclose(beta[h].numpy()[w_ref > 0], _np_beta(w_ref)[w_ref > 0], rtol=1e-7, atol=1e-7)
+        assert (beta[h].numpy()[w_ref == 0] == -20.0).all()
+    assert saw_clamp  # the clamp branch was exercised
+
+
+def test_fit_beta_nnls_matches_scipy():
+    for seed in (0, 10, 20):
+        Q, K, V, C = _problem(H=3, n=50, T=30, t=9, seed=seed)
+        beta, w = fit_beta(Q, K, C, 0.5, config=FitConfig(mass_solver="nnls"))
+        n_zero = 0
+        for h in range(3):
+            y, Phi = _np_phi(Q[h].numpy(), K[h].numpy(), C[h].numpy(), 0.5)
+            w_ref, _ = scipy.optimize.nnls(Phi, y)
+            n_zero += int((w_ref == 0).sum())
+            np.testing.assert_allclose(w[h].numpy(), w_ref, rtol=1e-5, atol=1e-6 * w_ref.max())
+            assert ((w[h].numpy() == 0) == (w_ref == 0)).all()
+        assert n_zero > 0  # active constraints exercised
+
+
+def test_fit_beta_nnls_differs_from_ls_clamp_and_is_no_worse():
+    Q, K, V, C = _problem(H=3, n=50, T=30, t=9, seed=10)
+    _, w_ls = fit_beta(Q, K, C, 0.5)
+    _, w_nn = fit_beta(Q, K, C, 0.5, config=FitConfig(mass_solver="nnls"))
+    err_ls, _ = attention_mass_error(Q, K, C, w_ls, 0.5)
+    err_nn, _ = attention_mass_error(Q, K, C, w_nn, 0.5)
+    assert (err_nn <= err_ls + 1e-6).all()
+    assert not torch.allclose(w_ls, w_nn)
+
+
+def test_fit_beta_invalid_slots_are_ignored():
+    Q, K, V, C = _problem(t=6)
+    valid = torch.tensor([[1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    C_pad = C.clone()
+    C_pad[0, 2] = 5.0  # garbage in padded slots must not matter
+    beta, w = fit_beta(Q, K, C_pad, 0.4, valid=valid)
+    assert beta[0, 2] == 0 and beta[0, 5] == 0 and w[0, 2] == 0 and w[0, 5] == 0
+    keep = [0, 1, 3, 4]
+    b0, w0 = fit_beta(Q[:1], K[:1], C[:1, keep], 0.4)
+    np.testing.assert_allclose(w[0, keep].numpy(), w0[0].numpy(), rtol=1e-6)
+    np.testing.assert_allclose(beta[0, keep].numpy(), b0[0].numpy(), rtol=1e-6, atol=1e-9)
+
+
+def test_fit_beta_bf16_inputs_solved_in_float():
+    Q, K, V, C = _problem(seed=30)
+    Qb, Kb, Cb = Q.bfloat16(), K.bfloat16(), C.bfloat16()
+    beta, w = fit_beta(Qb, Kb, Cb, 0.4)
+    assert beta.dtype == torch.bfloat16
+    for h in range(2):
+        y, Phi = _np_phi(Qb[h].double().numpy(), Kb[h].double().numpy(), Cb[h].double().numpy(), 0.4)
+        w_ref = np.maximum(np.linalg.lstsq(Phi, y, rcond=None)[0], 0)
+        np.testing.assert_allclose(w[h].numpy(), w_ref, rtol=1e-3, atol=1e-4 * w_ref.max())
+
+
+# ----------------------------------------------------------------------------- C_v
+
+
+def _np_cv(Q, K, V, C, beta, scaling, lam, relative, valid):
+    P = _np_softmax(np.where(valid[None], scaling * Q @ C.T + beta[None], -np.inf))[:, valid]
+    Y = _np_softmax(scaling * Q @ K.T) @ V
+    G = P.T @ P
+    ridge = lam * (np.mean(np.diag(G)) if relative else 1.0)
+    Cv = np.zeros((C.shape[0], V.shape[1]))
+    Cv[valid] = np.linalg.solve(G + ridge * np.eye(G.shape[0]), P.T @ Y)
+    return Cv
+
+
+@pytest.mark.parametrize("ridge,relative", [(1e-3, True), (0.05, False), (0.0, True)])
+def test_fit_values_matches_numpy_closed_form(ridge, relative):
+    Q, K, V, C = _problem(seed=40)
+    V = V[..., :5].contiguous()  # Dv != D is allowed
+    valid = torch.tensor([[1, 1, 1, 0, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    beta, _ = fit_beta(Q, K, C, 0.4, valid=valid)
+    cfg = FitConfig(ridge_v=ridge, ridge_relative=relative, block_rows=9)
+    Cv = fit_values(Q, K, V, C, beta, 0.4, valid=valid, config=cfg)
+    assert Cv.shape == (2, 6, 5) and Cv.dtype == torch.float64
+    for h in range(2):
+        ref = _np_cv(*(x[h].numpy() for x in (Q, K, V, C, beta)), 0.4, ridge, relative, valid[h].numpy())
+        np.testing.assert_allclose(Cv[h].numpy(), ref, rtol=1e-8, atol=1e-10)
+    assert (Cv[0, 3] == 0).all()
+    # the ridge argument overrides the config
+    other = FitConfig(ridge_v=7.0, ridge_relative=relative)
+    Cv2 = fit_values(Q, K, V, C, beta, 0.4, valid=valid, config=other, ridge=ridge)
+    np.testing.assert_allclose(Cv2.numpy(), Cv.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_fit_values_bf16_inputs():
+    Q, K, V, C = _problem(seed=50)
+    Qb, Kb, Vb, Cb = Q.bfloat16(), K.bfloat16(), V.bfloat16(), C.bfloat16()
+    beta, _ = fit_beta(Qb, Kb, Cb, 0.4)
+    Cv = fit_values(Qb, Kb, Vb, Cb, beta, 0.4)
+    assert Cv.dtype == torch.bfloat16
+    valid = np.ones(6, dtype=bool)
+    for h in range(2):
+        ref = _np_cv(*(x[h].double().numpy() for x in (Qb, Kb, Vb, Cb, beta)), 0.4, 1e-3, True, valid)
+        np.testing.assert_allclose(Cv[h].double().numpy(), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+def test_fit_values_rank_deficient_without_ridge_uses_jitter(caplog):
+    Q, K, V, C = _problem(seed=60)
+    C[:, 3] = C[:, 1]                       # duplicate compact key -> P_hat columns identical
+    beta = torch.zeros(2, 6, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="arckv_press.compaction.fit"):
+        Cv = fit_values(Q, K, V, C, beta, 0.4, ridge=0.0)
+    assert "jitter" in caplog.text
+    assert torch.isfinite(Cv).all()
+    for h in range(2):
+        P = _np_softmax(0.4 * Q[h].numpy() @ C[h].numpy().T)
+        Y = _np_softmax(0.4 * Q[h].numpy() @ K[h].numpy().T) @ V[h].numpy()
+        best = np.linalg.lstsq(P, Y, rcond=None)[0]
+        res = np.linalg.norm(P @ Cv[h].numpy() - Y)
+        assert res <= np.linalg.norm(P @ best - Y) * (1 + 1e-6) + 1e-9
+        # the null direction e_1 - e_3 only sees rounding noise: no blow-up (min-norm-like)
+        assert np.linalg.norm(Cv[h].numpy()) <= 1.05 * np.linalg.norm(best)
+        np.testing.assert_allclose((Cv[h, 1] + Cv[h, 3]).numpy(), best[1] + best[3], rtol=1e-6, atol=1e-8)
+
+
+def test_spd_solve_reports_jitter():
+    A = torch.tensor([[[4.0, 2.0], [2.0, 1.0]], [[2.0, 0.0], [0.0, 3.0]]], dtype=torch.float64)
+    X, jitter = spd_solve(A, torch.tensor([[2.0, 1.0], [2.0, 3.0]], dtype=torch.float64))
+    assert jitter[0] > 0 and jitter[1] == 0
+    np.testing.assert_allclose(X[1].numpy(), [1.0, 1.0])
+    np.testing.assert_allclose((A[0] @ X[0]).numpy(), [2.0, 1.0], rtol=1e-6)
+    with pytest.raises(ValueError, match="not positive definite"):
+        spd_solve(-torch.eye(2, dtype=torch.float64)[None], torch.ones(1, 2, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def test_full_and_compact_attention_match_numpy():
+    Q, K, V, C = _problem(seed=70)
+    beta = _rand(2, 6, seed=71)
+    Cv = _rand(2, 6, 5, seed=72)
+    valid = torch.tensor([[1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    O = full_attention(Q, K, V, 0.3, block_rows=7)
+    Oc = compact_attention(Q, C, beta, Cv, 0.3, valid=valid, block_rows=7)
+    for h in range(2):
+        ref = _np_softmax(0.3 * Q[h].numpy() @ K[h].numpy().T) @ V[h].numpy()
+        np.testing.assert_allclose(O[h].numpy(), ref, rtol=1e-10, atol=1e-12)
+        m = valid[h].numpy()
+        P = _np_softmax(0.3 * Q[h].numpy() @ C[h].numpy()[m].T + beta[h].numpy()[m])
+        np.testing.assert_allclose(Oc[h].numpy(), P @ Cv[h].numpy()[m], rtol=1e-10, atol=1e-12)
+    # differentiable (used by training)
+    Qg = Q.clone().requires_grad_(True)
+    compact_attention(Qg, C, beta, Cv, 0.3, valid=valid).sum().backward()
+    assert Qg.grad is not None and torch.isfinite(Qg.grad).all()
+
+
+def test_planted_all_anchors_reproduce_full_attention():
+    """C_k = K (anchors = all positions, lambda_m = 0): w = 1, C_v = V, outputs exact."""
+    from arckv_press.compaction.merge import merge_keys
+
+    H, n, T, D = 2, 48, 12, 8
+    Q, K, V = _rand(H, n, D, seed=80), _rand(H, T, D, seed=81), _rand(H, T, D, seed=82)
+    anchors = torch.arange(T).expand(H, T).contiguous()
+    valid = torch.ones(H, T, dtype=torch.bool)
+    C_k, assign = merge_keys(Q, K, anchors, valid, 0.35, lambda_m=0.0)
+    assert torch.equal(C_k, K) and torch.equal(assign, anchors)
+    beta, w = fit_beta(Q, K, C_k, 0.35, valid=valid)
+    np.testing.assert_allclose(w.numpy(), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(beta.numpy(), 0.0, atol=1e-6)
+    C_v = fit_values(Q, K, V, C_k, beta, 0.35, valid=valid, ridge=0.0)
+    np.testing.assert_allclose(C_v.numpy(), V.numpy(), rtol=1e-6, atol=1e-6)
+    Q_new = _rand(H, 30, D, seed=83)
+    O = full_attention(Q_new, K, V, 0.35)
+    Oc = compact_attention(Q_new, C_k, beta, C_v, 0.35, valid=valid)
+    np.testing.assert_allclose(Oc.numpy(), O.numpy(), rtol=0, atol=1e-6)
+    err, dead = attention_mass_error(Q, K, C_k, w, 0.35, valid=valid)
+    assert (err < 1e-6).all() and (dead == 0).all()
+
+
+def test_attention_mass_error_matches_numpy():
+    Q, K, V, C = _problem(seed=90)
+    valid = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    w = torch.tensor([[0.5, 0.0, 2.0, 1.0, 9.0, 9.0], [1.0, 0.0, 0.0, 3.0, 1.0, 0.2]])
+    err, dead = attention_mass_error(Q, K, C, w, 0.4, valid=valid, block_rows=11)
+    for h in range(2):
+        y, Phi = _np_phi(Q[h].numpy(), K[h].numpy(), C[h].numpy(), 0.4)
+        m = valid[h].numpy()
+        zc = Phi[:, m] @ w[h].double().numpy()[m]
+        np.testing.assert_allclose(err[h].item(), np.linalg.norm(zc - y) / np.linalg.norm(y), rtol=1e-6)
+    np.testing.assert_allclose(dead.numpy(), [1 / 4, 2 / 6], rtol=1e-7)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_bad_inputs():
+    Q, K, V, C = _problem()
+    with pytest.raises(ValueError, match="mass_solver"):
+        FitConfig(mass_solver="lbfgs")
+    with pytest.raises(ValueError, match="b_min"):
+        FitConfig(b_min=1.0, b_max=-1.0)
+    with pytest.raises(ValueError, match="eps_w"):
+        FitConfig(eps_w=0.0)
+    with pytest.raises(ValueError, match="ridge_v"):
+        FitConfig(ridge_v=-1.0)
+    with pytest.raises(ValueError, match="C_k"):
+        fit_beta(Q, K, C[..., :4], 0.4)
+    with pytest.raises(ValueError, match="valid must have shape"):
+        fit_beta(Q, K, C, 0.4, valid=torch.ones(2, 5, dtype=torch.bool))
+    bad = Q.clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="Q contains NaN"):
+        fit_beta(bad, K, C, 0.4)
+    beta = torch.zeros(2, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match="beta must have shape"):
+        fit_values(Q, K, V, C, beta[:, :5], 0.4)
+    with pytest.raises(ValueError, match="ridge"):
+        fit_values(Q, K, V, C, beta, 0.4, ridge=-1.0)
+    with pytest.raises(ValueError, match="no valid compact slot"):
+        compact_attention(Q, C, beta, V[:, :6], 0.4, valid=torch.zeros(2, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="w must have shape"):
+        attention_mass_error(Q, K, C, beta[:, :3], 0.4)
+    with pytest.raises(TypeError, match="config"):
+        fit_beta(Q, K, C, 0.4, config={"eps_w": 1.0})
