@@ -29,7 +29,7 @@ from arckv_press.capture import QueryCapture, framing_for, prefill, repeat_prefi
 from arckv_press.compaction.fit import FitConfig
 from arckv_press.compaction.layer import AM_VARIANTS, ARCKV_SELECTORS, LayerMethod, compact_layer
 from arckv_press.compaction.reference import group_activations, group_queries_by_kv_head, mix_sources
-from arckv_press.compaction.select import per_head_budgets
+from arckv_press.compaction.select import POOLINGS, per_head_budgets
 
 __all__ = ["CompactionConfig", "compact", "compact_prefilled", "METHODS", "encode_document", "CompactionReport"]
 
@@ -84,6 +84,11 @@ class CompactionConfig:
             raise ValueError(f"context_fraction must be in [0, 1], got {self.context_fraction}")
         if self.query_budget < 1 or self.repeat_chunk < 1:
             raise ValueError("query_budget and repeat_chunk must be positive")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.min_length < 1:
+            raise ValueError(f"min_length must be >= 1, got {self.min_length}")
+        self.layer_method()  # validates lambda_m now, not after the prefill and repeat-prefill
 
     def layer_method(self) -> LayerMethod:
         return LayerMethod(self.method, self.lambda_m, self.pooling, self.chunk_len, self.chunk_min_length, self.fit)
@@ -112,7 +117,8 @@ def encode_document(tokenizer, text: str, use_chat_template: bool | None = None)
     return ids, len(framing.prefix_ids)
 
 
-def _load_weights(weights, shape: tuple[int, int]) -> torch.Tensor | None:
+def _load_weights(weights, shape: tuple[int, int], num_layers: int) -> torch.Tensor | None:
+    """Budget weights a(l, h) for the compacted layers (``shape``) or for every layer."""
     if weights is None:
         return None
     if isinstance(weights, (str, Path)):
@@ -127,16 +133,17 @@ def _load_weights(weights, shape: tuple[int, int]) -> torch.Tensor | None:
         else:
             weights = torch.load(path, map_location="cpu", weights_only=True)
     weights = torch.as_tensor(weights, dtype=torch.float64)
-    if tuple(weights.shape) != shape:
+    if tuple(weights.shape) not in (shape, (num_layers, shape[1])):
         raise ValueError(f"budget weights have shape {tuple(weights.shape)}, expected {shape} (compacted layers x KV heads)")
     return weights
 
 
 def _resolve_indexer(config: CompactionConfig, model):
+    """``(indexer, budget weights shipped with it)`` for method ``arckv``, else ``(None, None)``."""
     if config.method != "arckv":
-        return None
+        return None, None
     if config.indexer is not None and not isinstance(config.indexer, (str, Path)):
-        return config.indexer
+        return config.indexer, None
     from arckv_press.indexer.checkpoint import default_indexer_path, load_indexer
     from arckv_press.models import config_hash, model_id
 
@@ -147,7 +154,8 @@ def _resolve_indexer(config: CompactionConfig, model):
             f"no value-aware indexer is shipped for {mid!r}: pass indexer=<checkpoint path> "
             "(train one with scripts/train_indexer.py) or use a training-free method (arckv-ha, arckv-vi)"
         )
-    return load_indexer(path, model_id=mid, config_hash=config_hash(model.config))
+    indexer, _meta, budget_weights = load_indexer(path, model_id=mid, config_hash=config_hash(model.config))
+    return indexer, budget_weights
 
 
 def _reference_positions(T: int, G: int, config: CompactionConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,6 +208,12 @@ def compact_prefilled(
 
     if context_ids.ndim != 2 or context_ids.shape[0] != 1:
         raise ValueError(f"compaction supports batch size 1 only, got context ids of shape {tuple(context_ids.shape)}")
+    n_ctx = context_ids.shape[1]
+    if isinstance(prefix_len, bool) or not hasattr(prefix_len, "__index__"):
+        raise TypeError(f"prefix_len must be an int, got {type(prefix_len).__name__}")
+    prefix_len = prefix_len.__index__()
+    if not 0 <= prefix_len <= n_ctx:
+        raise ValueError(f"prefix_len must be in [0, {n_ctx}] (the context length), got {prefix_len}")
     layout = describe_attention_layout(model)
     T = context_ids.shape[1] - prefix_len
     if T < config.min_length:
@@ -209,20 +223,28 @@ def compact_prefilled(
     timings: dict[str, float] = {}
     repeat_pos, context_pos = _reference_positions(T, G, config)
 
+    # Indexer and budgets are resolved before the (possibly long) prefill: a missing checkpoint or
+    # malformed budget weights fail fast and leave ``cache`` untouched.
+    indexer, shipped_weights = _resolve_indexer(config, model) if config.ratio < 1.0 else (None, None)
+    chosen = config.budget_weights if config.budget_weights is not None else shipped_weights
+    weights = _load_weights(chosen, (len(layers), H), layout.num_layers)
+    if weights is not None and weights.shape[0] == layout.num_layers != len(layers):
+        weights = weights[list(layers)]  # checkpoint weights cover every layer; keep the compacted ones
+    budgets = per_head_budgets(T, config.ratio, weights, len(layers), H)
+
     full_bytes = 0
     t0 = time.perf_counter()
+    if already_prefilled and config.ratio < 1.0 and context_pos.numel() and context_queries is None:
+        raise ValueError(
+            f"context_fraction={config.context_fraction} needs the queries captured during the prefill "
+            "(context_queries); capture them with QueryCapture or set context_fraction=0"
+        )
     if not already_prefilled:
         if config.ratio < 1.0 and context_pos.numel():
             context_queries = _prefill_capturing(model, cache, context_ids, layers, context_pos + prefix_len)
         else:
             prefill(model, context_ids, cache)
     timings["prefill"] = time.perf_counter() - t0 if not already_prefilled else 0.0
-
-    indexer = _resolve_indexer(config, model) if config.ratio < 1.0 else None
-    weights = _load_weights(config.budget_weights, (len(layers), H))
-    if weights is None and indexer is not None and getattr(indexer, "budget_weights", None) is not None:
-        weights = indexer.budget_weights[list(layers)] if indexer.budget_weights.shape[0] != len(layers) else indexer.budget_weights
-    budgets = per_head_budgets(T, config.ratio, weights, len(layers), H)
 
     repeat_store = None
     if config.ratio < 1.0 and repeat_pos.numel():
@@ -245,7 +267,8 @@ def compact_prefilled(
         keys, values = dyn.keys, dyn.values
         full_bytes += keys.nbytes + values.nbytes
         K, V = keys[0, :, prefix_len:], values[0, :, prefix_len:]
-        fixed_k, fixed_v = keys[:, :, :prefix_len], values[:, :, :prefix_len]
+        # clone: a slice is a view that would keep the whole uncompressed layer's storage alive
+        fixed_k, fixed_v = keys[:, :, :prefix_len].clone(), values[:, :, :prefix_len].clone()
         if config.ratio >= 1.0:
             C_k, beta, C_v = K.reshape(-1, K.shape[-1]), K.new_zeros(H * T, dtype=torch.float32), V.reshape(-1, V.shape[-1])
             lengths = torch.full((H,), T, dtype=torch.long, device=K.device)

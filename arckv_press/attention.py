@@ -90,8 +90,12 @@ def _make_dispatch(base: str):
     def arckv_attention(module, query, key, value, attention_mask, *args, **kwargs):
         if key.shape[-1] == query.shape[-1] + 2:
             return compact_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-        # eager lives in each modeling file; sdpa's kernel computes the same with eager's additive mask
-        fn = AttentionInterface._global_mapping.get(base) or AttentionInterface._global_mapping["sdpa"]
+        # Look up the library-wide instance (not the class mapping) so that functions other
+        # libraries registered on it (e.g. kvpress's masked-key patch) keep working. eager lives in
+        # each modeling file; sdpa's kernel computes the same with eager's additive mask.
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        fn = ALL_ATTENTION_FUNCTIONS[base] if base in ALL_ATTENTION_FUNCTIONS else ALL_ATTENTION_FUNCTIONS["sdpa"]
         return fn(module, query, key, value, attention_mask, *args, **kwargs)
 
     arckv_attention.__name__ = f"arckv_{base}_attention"

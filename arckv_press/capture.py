@@ -191,25 +191,41 @@ def repeat_prefill(
 
     Returns the captured queries, rows in the order of ``positions``.
     """
-    if doc_ids.shape[0] != 1:
-        raise ValueError("repeat-prefill supports batch size 1 only")
+    if doc_ids.ndim != 2 or doc_ids.shape[0] != 1:
+        raise ValueError(f"repeat-prefill supports batch size 1 only, got doc_ids of shape {tuple(doc_ids.shape)}")
+    positions = _check_positions(positions, doc_ids.shape[1])
     snapshot = _snapshot(cache)
     store = CapturedQueries()
-    positions = positions.cpu()
     try:
         with QueryCapture(model, layers, store) as cap:
             for start, n, ids in repeat_chunks(tokenizer, doc_ids.cpu(), suffix_ids, chunk_size):
                 sel = positions[(positions >= start) & (positions < start + n)]
-                if sel.numel() == 0:
-                    continue
-                offset = ids.shape[-1] - n  # repeated chunk sits at the end of the input
-                prefill(model, ids, cache, cap, rows=sel - start + offset)
-                _restore(cache, snapshot)
+                if sel.numel():
+                    offset = ids.shape[-1] - n  # repeated chunk sits at the end of the input
+                    prefill(model, ids, cache, cap, rows=sel - start + offset)
+                    _restore(cache, snapshot)
                 if progress is not None:
                     progress.update(n)
     finally:
         _restore(cache, snapshot)
     return store
+
+
+def _check_positions(positions, T: int) -> torch.Tensor:
+    """Strictly increasing integer document positions in ``[0, T)`` (CPU); else ValueError."""
+    if not isinstance(positions, torch.Tensor) or positions.ndim != 1:
+        raise ValueError(f"positions must be a 1-D tensor of document positions, got {positions!r}")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise ValueError(f"positions must be integer, got dtype {positions.dtype}")
+    positions = positions.cpu().long()
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= T):
+        raise ValueError(
+            f"positions must lie in [0, {T}) (the document length), "
+            f"got min {int(positions.min())}, max {int(positions.max())}"
+        )
+    if bool((positions[1:] <= positions[:-1]).any()):
+        raise ValueError("positions must be strictly increasing (sorted, no duplicates)")
+    return positions
 
 
 def _snapshot(cache) -> list[tuple]:

@@ -42,11 +42,17 @@ def answer(
     max_new_tokens: int = 32,
     answer_prefix: str = "",
     use_chat_template: bool | None = None,
+    context_length: int | None = None,
 ) -> str:
-    """Greedy answer to ``question`` from ``cache``; the cache is restored afterwards."""
+    """Greedy answer to ``question`` from ``cache``; the cache is restored afterwards.
+
+    ``context_length``: the original context length (positions continue after it). Needed for
+    kvpress's evicting presses, whose caches are shorter than the context; a compact cache and a
+    full cache report it themselves.
+    """
     ids = question_ids(tokenizer, question, answer_prefix, use_chat_template).to(model.device)
     state = _appended_state(cache)
-    start = cache.get_seq_length()
+    start = cache.get_seq_length() if context_length is None else context_length
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     out: list[int] = []

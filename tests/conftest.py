@@ -108,3 +108,41 @@ def default_model_fp32() -> tuple[torch.nn.Module, Any]:
     from arckv_press.models import load_model
 
     return load_model(dtype=torch.float32)
+
+
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def build_tiny_tokenizer(chat_template: bool = True) -> Any:
+    """Deterministic character-level tokenizer for the tiny models (102 ids < ``TINY_VOCAB``).
+
+    Ids 0-5 are ``<unk> <bos> <eos> <|user|> <|assistant|> <|end|>`` (special tokens); then
+    ``"\\n"`` and printable ASCII 32..126, one id per character (a BPE model without merges).
+    With ``chat_template`` the template is ``<bos><|user|>\\n{content}<|end|>\\n<|assistant|>\\n``.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>"]
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    assert len(vocab) <= TINY_VOCAB
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.add_special_tokens(specials)
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        chat_template=TINY_CHAT_TEMPLATE if chat_template else None,
+    )
+
+
+@pytest.fixture
+def tiny_tokenizer() -> Callable[..., Any]:
+    """Factory: ``tiny_tokenizer(chat_template=True)`` -> a fresh character-level tokenizer."""
+    return build_tiny_tokenizer

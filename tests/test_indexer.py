@@ -1,5 +1,5 @@
 """Tests of the value-aware indexer: model (paper App. "Value-Aware Indexer Architecture"),
-checkpoints, and the training math (paper Sec. 3.4 and App. "Indexer Training")."""
+checkpoints, and the training math (paper Sec. 3.5 and App. "Indexer Training")."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import scipy.special
 import torch
 
 from arckv_press.indexer.checkpoint import (
-    config_hash,
     default_indexer_path,
     load_indexer,
     read_metadata,
     save_indexer,
 )
 from arckv_press.indexer.model import PARAM_NAMES, IndexerConfig, ValueAwareIndexer
+from arckv_press.models import config_hash
 
 SMOLLM2_PARAMS = 134.5e6
 
@@ -91,6 +91,24 @@ def test_default_size_for_smollm2():
     assert 0.01 <= n / SMOLLM2_PARAMS <= 0.02
     for name, shape in cfg.param_shapes().items():
         assert tuple(getattr(model, name).shape) == shape
+
+
+def test_config_from_model_config_and_dtype_casting():
+    from types import SimpleNamespace
+
+    hf = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         hidden_size=576, model_type="llama")
+    cfg = IndexerConfig.from_model_config(hf)
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.d_x) == (30, 3, 64, 576)
+    assert IndexerConfig.from_model_config(hf, n_index_heads=2).n_index_heads == 2
+    assert IndexerConfig.from_dict(cfg.to_dict()) == cfg
+    small = tiny_config()
+    model = ValueAwareIndexer(small)
+    randomize(model, 9)
+    X, Q, K, V = (t.to(torch.bfloat16) for t in inputs(small, n=3, T=5))
+    I = model.logits(0, X, Q, K, V)
+    assert I.dtype == torch.float32
+    torch.testing.assert_close(I, model.logits(0, X.float(), Q.float(), K.float(), V.float()))
 
 
 def test_initialisation_follows_paper():
@@ -202,7 +220,9 @@ def test_checkpoint_round_trip(tmp_path):
     randomize(model, 5)
     bw = torch.rand(cfg.num_layers, cfg.num_kv_heads)
     bw = bw / bw.sum()
-    h = config_hash({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 6})
+    from transformers import LlamaConfig
+
+    h = config_hash(LlamaConfig(num_hidden_layers=2, hidden_size=6, num_attention_heads=2))
     save_indexer(model, tmp_path / "ck", "org/tiny-model", h, budget_weights=bw,
                  training={"contexts": 3, "tokens": 123})
     loaded, meta, bw2 = load_indexer(tmp_path / "ck", model_id="org/tiny-model", config_hash=h)
@@ -229,6 +249,440 @@ def test_checkpoint_mismatch_raises(tmp_path):
     with pytest.raises(ValueError, match="budget_weights must have shape"):
         save_indexer(model, tmp_path / "x", "org/model-a", "h", budget_weights=torch.ones(3, 3))
     assert default_indexer_path("org/no-such-model") is None
-    assert config_hash({"num_hidden_layers": 2, "torch_dtype": "float16"}) == config_hash(
-        {"num_hidden_layers": 2, "torch_dtype": "bfloat16"})
-    assert config_hash({"num_hidden_layers": 2}) != config_hash({"num_hidden_layers": 3})
+    import arckv_press.indexer.checkpoint as ck
+
+    old = ck.WEIGHTS_DIR
+    try:
+        ck.WEIGHTS_DIR = tmp_path / "weights"
+        save_indexer(model, ck.WEIGHTS_DIR / "org--model-a", "org/model-a", "hash-a")
+        assert default_indexer_path("org/model-a") == ck.WEIGHTS_DIR / "org--model-a"
+    finally:
+        ck.WEIGHTS_DIR = old
+
+
+# ----------------------------------------------------------------------------------------------
+# training math
+# ----------------------------------------------------------------------------------------------
+
+from arckv_press.compaction.fit import FitConfig, compact_attention, fit_values, full_attention  # noqa: E402
+from arckv_press.indexer.train import (  # noqa: E402
+    ReferencePool,
+    TrainConfig,
+    budget_for_ratio,
+    hard_branch_loss,
+    kl_loss,
+    lr_factor,
+    pooled_scores,
+    ridge_solve,
+    soft_branch_loss,
+    ste_loss,
+    train_layer,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: intra-op threads only add contention on the shared CPU."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_budget_and_schedule():
+    assert budget_for_ratio(0.1, 30) == 3
+    assert budget_for_ratio(0.01, 50) == 1
+    assert budget_for_ratio(0.2, 11) == 3
+    assert budget_for_ratio(1.0, 7) == 7
+    with pytest.raises(ValueError):
+        budget_for_ratio(0.0, 10)
+    total = 200  # 6 warm-up steps (3%), cosine to 10% at the last step
+    f = [lr_factor(s, total, 0.03, 0.1) for s in range(total)]
+    np.testing.assert_allclose(f[:6], [(s + 1) / 6 for s in range(6)])
+    assert f[6] == pytest.approx(1.0) and f[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[6:], f[7:]))
+
+
+def test_kl_loss_matches_float64_reference():
+    gen = torch.Generator().manual_seed(0)
+    H, n, T, D = 2, 5, 7, 4
+    Q, K = torch.randn(H, n, D, generator=gen), torch.randn(H, T, D, generator=gen)
+    I = torch.randn(H, n, T, generator=gen) * 2
+    got = kl_loss(I, Q, K, 0.7)
+    p = scipy.special.softmax(0.7 * np.einsum("hnd,htd->hnt", Q.double().numpy(), K.double().numpy()), -1)
+    q = scipy.special.softmax(I.double().numpy(), -1)
+    ref = (p * (np.log(p) - np.log(q))).sum(-1).mean()
+    assert got.item() == pytest.approx(ref, rel=1e-5)
+    assert kl_loss(0.7 * Q @ K.transpose(1, 2), Q, K, 0.7).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_ridge_solve_matches_numpy_and_has_exact_gradient():
+    gen = torch.Generator().manual_seed(1)
+    P = torch.rand(2, 9, 4, generator=gen, dtype=torch.float64)
+    Y = torch.randn(2, 9, 3, generator=gen, dtype=torch.float64)
+    for relative in (False, True):
+        got = ridge_solve(P, Y, 0.1, relative=relative)
+        for h in range(2):
+            Ph, Yh = P[h].numpy(), Y[h].numpy()
+            lam = 0.1 * (np.diag(Ph.T @ Ph).mean() if relative else 1.0)
+            ref = np.linalg.solve(Ph.T @ Ph + lam * np.eye(4), Ph.T @ Yh)
+            np.testing.assert_allclose(got[h].numpy(), ref, rtol=1e-9, atol=1e-10)
+    P.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda A: ridge_solve(A, Y, 0.1, relative=False), (P,))
+
+
+def _toy(seed=0, H=2, T=10, D=4, n_fit=12, n_hold=6):
+    gen = torch.Generator().manual_seed(seed)
+    K = torch.randn(H, T, D, generator=gen, dtype=torch.float64)
+    V = torch.randn(H, T, D, generator=gen, dtype=torch.float64) + 1.0
+    Qf = torch.randn(H, n_fit, D, generator=gen, dtype=torch.float64)
+    Qh = torch.randn(H, n_hold, D, generator=gen, dtype=torch.float64)
+    s = torch.rand(H, T, generator=gen, dtype=torch.float64)
+    return K, V, Qf, Qh, s
+
+
+def test_hard_branch_keeps_everything_at_ratio_one():
+    K, V, Qf, Qh, s = _toy(n_fit=16)
+    hard = hard_branch_loss(s, Qf, Qh, K, V, 0.5, 1.0, fit_config=FitConfig(ridge_v=0.0))
+    assert hard.t == 10 and hard.loss.item() < 1e-8
+    torch.testing.assert_close(hard.beta, torch.zeros_like(hard.beta), atol=1e-6, rtol=0)
+    part = hard_branch_loss(s, Qf, Qh, K, V, 0.5, 0.3)
+    from arckv_press.compaction.select import topk_anchors
+    idx, _ = topk_anchors(s, torch.full((2,), part.t))
+    assert torch.equal(torch.sort(part.order[:, :part.t], dim=-1).values, idx)
+    assert part.loss.item() > 1e-4
+
+
+def _soft_reference(s, K, V, Qf, Qh, scaling, order, beta, t, gamma, ridge_rel, s0):
+    """Numpy float64 transcription of paper Eqs. (soft_candidate_gate), (soft_attention_output)
+    with the stop-gradient quantities (candidates, threshold, std, ridge scale) frozen at s0."""
+    H, T = s.shape
+    m = min(T, 2 * t)
+    total = 0.0
+    for h in range(H):
+        cand = order[h, :m]
+        tau = np.sort(s0[h])[::-1][t - 1]
+        sigma = s0[h].std()
+        g = 1 / (1 + np.exp(-(s[h, cand] - tau) / (gamma * sigma)))
+        b = np.zeros(m)
+        b[:t] = beta[h]
+        Ck = K[h, cand]
+
+        def probs(Q):
+            return scipy.special.softmax(scaling * Q @ Ck.T + b + np.log(g), axis=-1)
+
+        def full(Q):
+            return scipy.special.softmax(scaling * Q @ K[h].T, axis=-1) @ V[h]
+
+        Pf = probs(Qf[h])
+        Pf0 = None
+        if True:  # ridge scale frozen at s0
+            g0 = 1 / (1 + np.exp(-(s0[h, cand] - tau) / (gamma * sigma)))
+            Pf0 = scipy.special.softmax(scaling * Qf[h] @ Ck.T + b + np.log(g0), axis=-1)
+        lam = ridge_rel * np.diag(Pf0.T @ Pf0).mean()
+        Cv = np.linalg.solve(Pf.T @ Pf + lam * np.eye(m), Pf.T @ full(Qf[h]))
+        y, y_hat = full(Qh[h]), probs(Qh[h]) @ Cv
+        total += (((y_hat - y) ** 2).sum(-1) / (y ** 2).sum(-1)).sum()
+    return total / (H * Qh.shape[1])
+
+
+def test_soft_branch_gradient_matches_finite_differences_of_reference():
+    K, V, Qf, Qh, s = _toy(seed=2)
+    scaling, gamma, ratio = 0.6, 0.5, 0.3
+    hard = hard_branch_loss(s, Qf, Qh, K, V, scaling, ratio)
+    s_leaf = s.clone().requires_grad_(True)
+    soft = soft_branch_loss(s_leaf, Qf, Qh, K, V, scaling, hard, gamma)
+    soft.backward()
+    npy = [x.numpy() for x in (K, V, Qf, Qh)]
+    args = (hard.order.numpy(), hard.beta.double().numpy(), hard.t, gamma, FitConfig().ridge_v, s.numpy())
+    ref = _soft_reference(s.numpy(), *npy, scaling, *args)
+    assert soft.item() == pytest.approx(ref, rel=1e-5)
+    eps = 1e-6
+    fd = np.zeros(s.shape)
+    for h in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            sp, sm = s.numpy().copy(), s.numpy().copy()
+            sp[h, j] += eps
+            sm[h, j] -= eps
+            fd[h, j] = (_soft_reference(sp, *npy, scaling, *args) - _soft_reference(sm, *npy, scaling, *args)) / (2 * eps)
+    np.testing.assert_allclose(s_leaf.grad.numpy(), fd, rtol=1e-4, atol=1e-7)
+    # only candidates (top-2t) receive gradient
+    noncand = hard.order[:, 2 * hard.t:]
+    assert torch.count_nonzero(torch.gather(s_leaf.grad, 1, noncand)) == 0
+
+
+def test_soft_branch_at_zero_temperature_is_the_hard_fit_with_a_half_gate():
+    """gamma -> 0: gates are 1 on S (0.5 on the t-th anchor, which sits on the threshold) and 0
+    elsewhere, so the soft branch equals the hard branch with beta_t + log(1/2)."""
+    K, V, Qf, Qh, s = _toy(seed=3)
+    fc = FitConfig(ridge_v=0.0)  # exact least squares on both sides (ridge scales differ: t vs 2t slots)
+    hard = hard_branch_loss(s, Qf, Qh, K, V, 0.6, 0.3, fit_config=fc)
+    soft = soft_branch_loss(s, Qf, Qh, K, V, 0.6, hard, 1e-9, fit_config=fc)
+    t = hard.t
+    C_k = torch.gather(K, 1, hard.order[:, :t, None].expand(-1, -1, K.shape[-1]))
+    beta = hard.beta.double().clone()
+    beta[:, t - 1] += math.log(0.5)
+    C_v = fit_values(Qf, K, V, C_k, beta, 0.6, config=fc)
+    y, y_hat = full_attention(Qh, K, V, 0.6), compact_attention(Qh, C_k, beta, C_v, 0.6)
+    ref = (((y_hat - y) ** 2).sum(-1) / (y ** 2).sum(-1)).mean()
+    assert soft.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_ste_has_hard_value_and_soft_gradient():
+    K, V, Qf, Qh, s = _toy(seed=4)
+    theta = torch.randn(2, 10, dtype=torch.float64, requires_grad=True)
+    scores = pooled_scores(theta[:, None, :].expand(2, 3, 10) * torch.tensor([1.0, 2.0, 3.0],
+                           dtype=torch.float64)[None, :, None])
+    hard = hard_branch_loss(scores.detach(), Qf, Qh, K, V, 0.6, 0.3)
+    soft = soft_branch_loss(scores, Qf, Qh, K, V, 0.6, hard, 0.7)
+    ste = ste_loss(hard.loss, soft)
+    assert ste.item() == hard.loss.item() and ste.item() != soft.item()
+    (g_ste,) = torch.autograd.grad(ste, theta, retain_graph=True)
+    (g_soft,) = torch.autograd.grad(soft, theta)
+    assert torch.equal(g_ste, g_soft) and g_soft.abs().sum() > 0
+
+
+# -- end-to-end training on a planted problem ---------------------------------------------------
+
+_H, _T, _D, _DX, _G, _NREF, _NP = 2, 40, 16, 8, 2, 96, 4
+_QSCALE, _VALUE_AMP = 2.0, 3.0
+
+
+def _planted_pool(seed: int):
+    """One context: all values equal a head-specific mean m except _NP planted positions whose
+    values carry a large random signal; planted keys are slightly shorter (less attention),
+    so highest-attention misses them while the best anchors for reconstructing held-out
+    outputs include the planted ones."""
+    gu = torch.Generator().manual_seed(1234)
+    m = 0.3 * torch.randn(_H, 1, _D, generator=gu)  # shared by all contexts
+    g = torch.Generator().manual_seed(seed)
+    K = 0.8 * torch.randn(_H, _T, _D, generator=g)
+    Q = _QSCALE * torch.randn(_H, _G * _NREF, _D, generator=g)
+    V = m.expand(_H, _T, _D).clone()
+    planted = torch.stack([torch.randperm(_T, generator=g)[:_NP] for _ in range(_H)])
+    for h in range(_H):
+        K[h, planted[h]] *= 0.8
+        V[h, planted[h]] = m[h] + _VALUE_AMP * torch.randn(_NP, _D, generator=g)
+    X = torch.randn(_NREF, _DX, generator=g)
+    Q_eval = _QSCALE * torch.randn(_H, 256, _D, generator=g)
+    return ReferencePool(X=X, Q=Q, K=K, V=V, scaling=_D ** -0.5), planted, Q_eval
+
+
+def _evaluate(score_fn, contexts, ratio):
+    """Inference protocol: score and fit on the whole pool, evaluate on fresh queries."""
+    errs, recall = [], []
+    for pool, planted, Q_eval in contexts:
+        hard = hard_branch_loss(score_fn(pool), pool.Q, Q_eval, pool.K, pool.V, pool.scaling, ratio)
+        errs.append(hard.loss.item())
+        top = hard.order[:, :hard.t]
+        recall.append(torch.isin(top, planted).sum().item() / planted.numel())
+    return float(np.mean(errs)), float(np.mean(recall))
+
+
+def test_training_learns_planted_value_anchors():
+    from arckv_press.compaction.select import ha_scores
+
+    ratio = 0.25
+    train = [_planted_pool(i)[0] for i in range(8)]
+    test = [_planted_pool(100 + i) for i in range(16)]
+    cfg = IndexerConfig(num_layers=1, num_kv_heads=_H, head_dim=_D, d_x=_DX, n_index_heads=2,
+                        d_index=8, d_value_attn=8)
+    model = ValueAwareIndexer(cfg, seed=0)
+
+    def indexer_scores(pool):
+        rows = torch.arange(pool.Q.shape[1])
+        return model.scores(0, pool.X_rows(rows), pool.Q, pool.K, pool.V)
+
+    err_ha, rec_ha = _evaluate(lambda p: ha_scores(p.Q, p.K, p.scaling), test, ratio)
+    err_0, rec_0 = _evaluate(indexer_scores, test, ratio)
+    config = TrainConfig(kl_epochs=3, joint_epochs=40, lr_kl=1e-2, lr_joint=2e-2, lambda_kl=0.0,
+                         ratios=(ratio,), episode_fractions=(0.5, 0.25, 0.25), seed=0)
+    result = train_layer(model, 0, train, config, progress=False)
+    err_1, rec_1 = _evaluate(indexer_scores, test, ratio)
+    print(f"\nheld-out rel. error: HA {err_ha:.4f} (recall {rec_ha:.2f}), untrained {err_0:.4f} "
+          f"({rec_0:.2f}), trained {err_1:.4f} ({rec_1:.2f}); {len(result.metrics)} epochs")
+    assert result.finished and len(result.metrics) == 43
+    assert [r["stage"] for r in result.metrics] == ["kl"] * 3 + ["joint"] * 40
+    assert result.metrics[-1]["gamma"] == pytest.approx(0.1)
+    assert err_1 < 0.97 * err_0 and err_1 < 0.85 * err_ha
+    assert rec_1 >= rec_0 + 0.15
+
+
+def _small_pools(n=2):
+    pools = []
+    for k in range(n):
+        gen = torch.Generator().manual_seed(50 + k)
+        pools.append(ReferencePool(X=torch.randn(10, 6, generator=gen),
+                                   Q=torch.randn(3, 20, 8, generator=gen),
+                                   K=torch.randn(3, 12, 8, generator=gen),
+                                   V=torch.randn(3, 12, 8, generator=gen), scaling=8 ** -0.5))
+    return pools
+
+
+def test_train_layer_is_deterministic_and_resumable():
+    import io
+
+    pools = _small_pools()
+    config = TrainConfig(kl_epochs=2, joint_epochs=2, lr_kl=1e-3, lr_joint=1e-3, ratios=(0.3, 0.2),
+                         kl_max_rows=12, seed=7)
+    full = ValueAwareIndexer(tiny_config(), seed=1)
+    res_full = train_layer(full, 1, pools, config, progress=False)
+    again = ValueAwareIndexer(tiny_config(), seed=1)
+    train_layer(again, 1, pools, config, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(full.parameters(), again.parameters()))
+    # layer 0 untouched, layer 1 changed
+    ref = ValueAwareIndexer(tiny_config(), seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(full.layer_params(0).values(), ref.layer_params(0).values()))
+    assert not torch.equal(full.layer_params(1)["L_q"], ref.layer_params(1)["L_q"])
+
+    states = []
+    part = ValueAwareIndexer(tiny_config(), seed=1)
+    res1 = train_layer(part, 1, pools, config, progress=False, max_epochs=3, on_epoch_end=states.append)
+    assert not res1.finished and len(states) == 3 and states[-1]["stage"] == 1 and states[-1]["epoch"] == 1
+    buf = io.BytesIO()
+    torch.save(res1.state, buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=False)
+    resumed = ValueAwareIndexer(tiny_config(), seed=1)  # fresh model: params come from the state
+    res2 = train_layer(resumed, 1, pools, config, progress=False, resume_state=state)
+    assert res2.finished
+    assert all(torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters()))
+    assert res2.metrics == res_full.metrics
+    with pytest.raises(ValueError, match="resume_state"):
+        train_layer(resumed, 0, pools, config, progress=False, resume_state=state)
+
+
+def test_pool_and_config_validation():
+    gen = torch.Generator().manual_seed(0)
+    X, K = torch.randn(4, 6, generator=gen), torch.randn(3, 5, 8, generator=gen)
+    with pytest.raises(ValueError, match="G\\*n_ref"):
+        ReferencePool(X=X, Q=torch.randn(3, 7, 8), K=K, V=K.clone(), scaling=0.3)
+    with pytest.raises(ValueError, match="scaling"):
+        ReferencePool(X=X, Q=torch.randn(3, 8, 8), K=K, V=K.clone(), scaling=-1.0)
+    pool = ReferencePool(X=X, Q=torch.randn(3, 8, 8), K=K, V=K.clone(), scaling=0.3)
+    assert pool.group_size == 2 and pool.rows(torch.tensor([1, 3])).tolist() == [1, 3, 5, 7]
+    assert torch.equal(pool.X_rows(torch.tensor([5])), X[1:2])
+    with pytest.raises(ValueError, match="ratios"):
+        TrainConfig(ratios=(0.0,))
+    with pytest.raises(ValueError, match="episode_fractions"):
+        TrainConfig(episode_fractions=(0.6, 0.3, 0.3))
+    with pytest.raises(ValueError, match="expects H=3"):
+        train_layer(ValueAwareIndexer(tiny_config(num_kv_heads=3, head_dim=4)), 0, [pool],
+                    TrainConfig(kl_epochs=1, joint_epochs=0), progress=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# one config hash for the whole package
+# ----------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_uses_the_package_config_hash(tmp_path):
+    """The indexer has no hash of its own: a checkpoint saved with models.config_hash loads
+    under the hash api.py computes (and the CompactCache metadata stores)."""
+    import arckv_press.indexer as pkg
+    import arckv_press.indexer.checkpoint as ck
+    from transformers import LlamaConfig
+
+    assert not hasattr(ck, "config_hash") and "config_hash" not in pkg.__all__
+    a = LlamaConfig(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1)
+    b = LlamaConfig(num_hidden_layers=3, hidden_size=8, num_attention_heads=2, num_key_value_heads=1)
+    model = ValueAwareIndexer(IndexerConfig.from_model_config(a, n_index_heads=1, d_index=2, d_value_attn=2))
+    save_indexer(model, tmp_path, "org/m", config_hash(a))
+    assert load_indexer(tmp_path, "org/m", config_hash(LlamaConfig.from_dict(a.to_dict())))[1].config_hash == config_hash(a)
+    with pytest.raises(ValueError, match="config hash"):
+        load_indexer(tmp_path, "org/m", config_hash(b))
+
+
+# ----------------------------------------------------------------------------------------------
+# per-head budget weights
+# ----------------------------------------------------------------------------------------------
+
+from arckv_press.indexer.budget import (  # noqa: E402
+    budget_weights_from_curves,
+    convexify,
+    error_curves,
+    heldout_error,
+    water_fill,
+)
+
+
+def _convex_curves(P, F, seed):
+    """Random decreasing convex curves on the integer grid 1..F (positive, decreasing steps)."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = torch.sort(torch.rand(P, F - 1, generator=gen, dtype=torch.float64), dim=1, descending=True).values
+    return torch.cat([torch.zeros(P, 1, dtype=torch.float64), torch.cumsum(steps, 1)], 1).neg() + 5.0
+
+
+def test_water_fill_matches_brute_force_allocation():
+    import itertools
+
+    F = 6
+    grid = list(range(1, F + 1))  # integer units: the optimum of the LP is an integer allocation
+    for seed in range(6):
+        P = 3 + seed % 2
+        curves = _convex_curves(P, F, seed)
+        for total in (P, P + 2, 2 * P + 1, 3 * P + 4, F * P - 1, F * P):
+            alloc = water_fill(curves, grid, float(total))
+            assert alloc.sum().item() == pytest.approx(total)
+            assert (alloc >= 1 - 1e-12).all() and (alloc <= F + 1e-12).all()
+            got = sum(float(np.interp(alloc[p].item(), grid, curves[p].numpy())) for p in range(P))
+            best = min(sum(curves[p, c - 1].item() for p, c in enumerate(combo))
+                       for combo in itertools.product(grid, repeat=P) if sum(combo) == total)
+            assert got == pytest.approx(best, abs=1e-9), (seed, total)
+
+
+def test_convexify_is_the_lower_hull_of_the_nonincreasing_envelope():
+    grid = torch.tensor([0.01, 0.02, 0.05, 0.1, 0.2])
+    curves = torch.tensor([[1.0, 0.5, 0.45, 0.1, 0.05],   # non-convex kink at 0.05
+                           [1.0, 0.8, 0.9, 0.3, 0.31],    # not monotone
+                           [0.9, 0.5, 0.2, 0.1, 0.05]])   # check convexity below
+    hull = convexify(grid, curves).numpy()
+    x = grid.double().numpy()
+    env = np.minimum.accumulate(curves.double().numpy(), axis=1)
+    for p in range(3):
+        # brute force: lower hull value at x_k = min over chords through envelope points
+        for k in range(5):
+            best = env[p, k]
+            for i in range(k):
+                for j in range(k + 1, 5):
+                    w = (x[k] - x[i]) / (x[j] - x[i])
+                    best = min(best, (1 - w) * env[p, i] + w * env[p, j])
+            assert hull[p, k] == pytest.approx(best)
+        slopes = np.diff(hull[p]) / np.diff(x)
+        assert (np.diff(slopes) >= -1e-9).all() and (np.diff(hull[p]) <= 1e-12).all()
+
+
+def test_budget_weights_favour_heads_whose_error_drops():
+    grid = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4)
+    flat = torch.full((6,), 0.2)
+    steep = torch.tensor([1.0, 0.7, 0.4, 0.2, 0.1, 0.05])
+    curves = torch.stack([flat, steep, flat, steep]).reshape(2, 2, 6)
+    w = budget_weights_from_curves(curves, grid, ratios=(0.1, 0.05))
+    assert w.shape == (2, 2) and w.sum().item() == pytest.approx(1.0)
+    assert w[0, 1] > 2 * w[0, 0] and torch.allclose(w[0], w[1])
+    # identical curves -> uniform weights
+    same = budget_weights_from_curves(steep.expand(2, 3, 6).clone(), grid)
+    torch.testing.assert_close(same, torch.full((2, 3), 1 / 6))
+    with pytest.raises(ValueError, match="below the minimum"):
+        water_fill(curves.reshape(4, 6), grid, 0.01)
+
+
+def test_heldout_error_and_error_curves():
+    K, V, Qf, Qh, s = _toy(seed=5, T=12, n_fit=40, n_hold=9)
+    idx = torch.arange(12).expand(2, 12)
+    err = heldout_error(Qf, Qh, K, V, 0.5, idx, torch.ones(2, 12, dtype=torch.bool))
+    assert err.shape == (2,) and (err < 1e-4).all()  # every key kept: exact reconstruction
+    # one anchor: compare with a per-head float64 numpy transcription of the hard branch
+    top = torch.argmax(s, dim=1, keepdim=True)
+    err1 = heldout_error(Qf, Qh, K, V, 0.5, top, torch.ones(2, 1, dtype=torch.bool))
+    for h in range(2):
+        y = scipy.special.softmax(0.5 * Qh[h].numpy() @ K[h].numpy().T, -1) @ V[h].numpy()
+        y_fit = scipy.special.softmax(0.5 * Qf[h].numpy() @ K[h].numpy().T, -1) @ V[h].numpy()
+        # one slot: the compact output is the constant C_v row = mean of fitted targets (ridge ~ 0)
+        c = y_fit.mean(0) / (1 + 1e-3)
+        ref = np.linalg.norm(c[None] - y) / np.linalg.norm(y)
+        assert err1[h].item() == pytest.approx(ref, rel=1e-4)
+    pools = [ReferencePool(X=torch.randn(8, 6), Q=torch.randn(2, 16, 4) * 2, K=K.float(), V=V.float(),
+                           scaling=0.5)]
+    curves = error_curves(lambda pool, rows: s.float(), pools, (0.1, 0.5, 1.0), holdout_fraction=0.25)
+    assert curves.shape == (2, 3) and (curves[:, -1] < 1e-3).all() and (curves[:, 0] > curves[:, -1]).all()

@@ -1,4 +1,5 @@
-"""The learned value-aware indexer of ARC-KV (paper Sec. 3.2, 3.4 and App. A).
+"""The learned value-aware indexer of ARC-KV (paper Sec. 3.3 "Value-Aware Indexer",
+Sec. 3.5 "Training the Reusable Value-Aware Indexer", App. A).
 
 - :mod:`.model`: :class:`IndexerConfig` and :class:`ValueAwareIndexer` (parameters stacked
   over all layer--KV-head pairs; batched logits and blockwise pooled scores).
@@ -9,7 +10,6 @@
 
 from .checkpoint import (
     IndexerMetadata,
-    config_hash,
     default_indexer_path,
     load_indexer,
     read_metadata,
@@ -32,7 +32,6 @@ __all__ = [
     "IndexerConfig",
     "ValueAwareIndexer",
     "IndexerMetadata",
-    "config_hash",
     "default_indexer_path",
     "load_indexer",
     "read_metadata",

@@ -6,18 +6,18 @@ A checkpoint is a directory with two files:
   :data:`arckv_press.indexer.model.PARAM_NAMES`, shapes ``[P, ...]``) and, optionally,
   ``budget_weights [num_layers, num_kv_heads]``: the per-head budget weights ``a_{l,h}`` of
   paper Eq. (per_head_budget).
-- ``metadata.json``: :class:`IndexerMetadata` (base model id, base-config hash, indexer config,
-  training-data summary, package version, creation date, format version).
+- ``metadata.json``: :class:`IndexerMetadata` (base model id, base-config hash from
+  :func:`arckv_press.models.config_hash`, indexer config, training-data summary, package
+  version, creation date, format version).
 
 :func:`load_indexer` refuses a checkpoint trained for another base model: an indexer is tied
-to the keys, values and activations of one frozen model (paper Sec. 3.4).
+to the keys, values and activations of one frozen model (paper Sec. 3.5).
 Shipped checkpoints live in ``arckv_press/indexer/weights/<model id with '/' -> '--'>/``.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +35,6 @@ __all__ = [
     "METADATA_FILE",
     "WEIGHTS_DIR",
     "IndexerMetadata",
-    "config_hash",
     "model_dir_name",
     "save_indexer",
     "load_indexer",
@@ -49,13 +48,6 @@ METADATA_FILE = "metadata.json"
 #: Directory of the weights shipped with the package.
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 
-#: Base-model config fields that determine the tensors an indexer sees.
-_HASH_FIELDS = (
-    "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "hidden_size", "intermediate_size", "vocab_size", "rope_theta", "rope_scaling",
-    "rope_parameters", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-)
-
 
 @dataclass
 class IndexerMetadata:
@@ -63,7 +55,8 @@ class IndexerMetadata:
 
     Attributes:
         model_id: Hugging Face id (or path) of the frozen base model the indexer was trained on.
-        config_hash: :func:`config_hash` of the base model's config.
+        config_hash: :func:`arckv_press.models.config_hash` of the base model's config (the
+            same fingerprint the compact-cache metadata and :mod:`arckv_press.api` use).
         indexer_config: :class:`IndexerConfig` as a dict.
         has_budget_weights: whether ``budget_weights [L, H]`` is stored.
         training: free-form summary of the training data and schedule (JSON-serialisable).
@@ -92,21 +85,6 @@ class IndexerMetadata:
             raise ValueError(f"{source}: missing metadata fields {missing}")
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
-
-
-def config_hash(model_config: Any) -> str:
-    """Short sha256 fingerprint of the architecture fields of a base-model config.
-
-    Accepts a Hugging Face ``PretrainedConfig`` (its ``text_config`` if any) or a plain dict.
-    Only the fields in ``_HASH_FIELDS`` that are present enter the hash, so the fingerprint
-    ignores run-time options (dtype, attention implementation, ...).
-    """
-    if not isinstance(model_config, dict):
-        cfg = getattr(model_config, "text_config", None) or model_config
-        model_config = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
-    picked = {k: model_config[k] for k in _HASH_FIELDS if model_config.get(k) is not None}
-    blob = json.dumps(picked, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def model_dir_name(model_id: str) -> str:
@@ -201,7 +179,8 @@ def load_indexer(path: str | Path, model_id: str | None = None, config_hash: str
     Args:
         path: checkpoint directory (see module docstring).
         model_id: if given, must equal the stored ``model_id``.
-        config_hash: if given, must equal the stored ``config_hash`` (see :func:`config_hash`).
+        config_hash: if given, must equal the stored ``config_hash``
+            (:func:`arckv_press.models.config_hash` of the base model).
         map_location: device for the loaded tensors.
 
     Returns:

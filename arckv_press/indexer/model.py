@@ -1,4 +1,5 @@
-"""The value-aware indexer (paper Sec. 3.2 and App. "Value-Aware Indexer Architecture").
+"""The value-aware indexer (paper Sec. 3.3 "Value-Aware Indexer", label sec:key_indexer, and
+App. "Value-Aware Indexer Architecture").
 
 For every layer--KV-head pair the indexer holds an independent parameter set (paper
 Eqs. (indexer_parameters) and (value_indexer_parameters)); here the sets are stacked on a
@@ -59,6 +60,7 @@ __all__ = [
     "PARAM_NAMES",
     "POOLINGS",
     "rms_normalize",
+    "value_keys",
     "value_context",
     "query_features",
     "key_features",
@@ -202,20 +204,26 @@ def rms_normalize(z: Tensor, eps: float = 1e-6) -> Tensor:
     return z * torch.rsqrt(z.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
+def value_keys(p: dict[str, Tensor], K: Tensor, V: Tensor) -> tuple[Tensor, Tensor]:
+    """``(U_k k_j, U_v v_j)`` of paper Eq. (value_context), each ``[H, T, d_A]``."""
+    return torch.einsum("had,htd->hta", p["U_k"], K), torch.einsum("had,htd->hta", p["U_v"], V)
+
+
 def value_context(p: dict[str, Tensor], Q: Tensor, K: Tensor, V: Tensor, scale: float,
-                  block_T: int | None = None) -> Tensor:
+                  block_T: int | None = None, kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Value context ``c_i`` of paper Eq. (value_context), ``[H, n, d_A]``.
 
     Blocks over cache positions with an online softmax (running max and denominator), so
-    memory is ``O(n * block_T)`` whatever ``T``.
+    memory is ``O(n * block_T)`` whatever ``T``. ``kv`` optionally passes precomputed
+    :func:`value_keys`.
     """
     qa = torch.einsum("had,hnd->hna", p["U_q"], Q) * scale  # [H, n, dA]
+    ka_all, va_all = value_keys(p, K, V) if kv is None else kv
     T = K.shape[1]
     block_T = T if block_T is None else block_T
     m = l = acc = None
     for j0 in range(0, T, block_T):
-        ka = torch.einsum("had,htd->hta", p["U_k"], K[:, j0:j0 + block_T])  # [H, b, dA]
-        va = torch.einsum("had,htd->hta", p["U_v"], V[:, j0:j0 + block_T])
+        ka, va = ka_all[:, j0:j0 + block_T], va_all[:, j0:j0 + block_T]  # [H, b, dA]
         a = qa @ ka.transpose(1, 2)  # [H, n, b]
         a_max = a.amax(dim=-1)
         if m is None:
@@ -418,11 +426,12 @@ class ValueAwareIndexer(nn.Module):
         if n < 1:
             raise ValueError(f"scores needs at least one reference row, got Q {tuple(Q.shape)}")
         kbar = key_features(p, K, V, cfg)  # [H, T, H_I, d_I]: O(T) like K itself
+        kv = value_keys(p, K, V)  # 2 x [H, T, d_A]
         acc = torch.zeros(Q.shape[0], T, dtype=Q.dtype, device=Q.device)
         t_blocks = [(j0, min(T, j0 + block_T)) for j0 in range(0, T, block_T)]
         for r0 in range(0, n, block_rows):
             Qb, Xb = Q[:, r0:r0 + block_rows], X[r0:r0 + block_rows]
-            c = value_context(p, Qb, K, V, cfg.attn_scale, block_T)
+            c = value_context(p, Qb, K, V, cfg.attn_scale, block_T, kv=kv)
             qbar, w = query_features(p, Qb, c, cfg), row_weights(p, Xb)
 
             def block_logits(j0: int, j1: int) -> Tensor:

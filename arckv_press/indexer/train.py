@@ -1,5 +1,6 @@
-"""Training math of the value-aware indexer (paper Sec. 3.4, App. "Indexer Training:
-Additional Derivations" and "Indexer Training Details").
+"""Training math of the value-aware indexer (paper Sec. 3.5 "Training the Reusable
+Value-Aware Indexer", App. "Indexer Training: Additional Derivations" and "Indexer Training
+Details").
 
 Pure tensor code: no model forward. Supervision comes from precomputed
 :class:`ReferencePool` s (one context, one layer), produced by the capture step.
@@ -18,9 +19,13 @@ peak. Every episode (one pool, one step) samples a retention ratio from
 positions (resampled every epoch); the gate temperature ``gamma`` anneals linearly from 1.0 to
 0.1 over the joint stage.
 
-Not fixed by the paper (our choices): the split fractions ``(0.5, 0.25, 0.25)``, one episode per
-pool per epoch, the compact-value ridge of the soft branch (the relative ``ridge_v`` of
-``FitConfig``, as in the hard fit), the population standard deviation in the gate scale, a fresh AdamW per stage.
+Not fixed by the paper (our choices): the split fractions ``(0.5, 0.25, 0.25)`` of reference
+positions; one episode per pool per epoch; the compact-value ridge of the soft branch (the
+relative ``ridge_v`` of ``FitConfig`` as in the hard fit, its scale being the mean diagonal over
+the ``2t`` candidates, treated as a constant); the population standard deviation in the gate
+scale; a fresh AdamW per stage; the STE written as ``sg(L_h) + (L_s - sg(L_s))`` so that its
+forward value is exactly ``L_h``. As in the paper, only the ``min(T, 2t)`` candidates receive
+gradient from the output loss; the KL term reaches every position.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import copy
 import hashlib
 import math
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -66,8 +71,8 @@ __all__ = [
 
 @dataclass
 class ReferencePool:
-    """Repeat-prefill supervision of ONE context at ONE layer (paper Sec. 3.1, App.
-    "Method Overview and Reference-Query Construction").
+    """Repeat-prefill supervision of ONE context at ONE layer (paper Sec. 3.2 "Reference-query
+    pool", App. "Method Overview and Reference-Query Construction").
 
     Attributes:
         X: ``[n_ref, d_x]`` pre-query-projection activations ``x_r`` at the ``n_ref`` repeated
@@ -219,6 +224,9 @@ class TrainConfig:
         if self.fit_config is not None and not isinstance(self.fit_config, FitConfig):
             raise TypeError(f"TrainConfig.fit_config must be a FitConfig or None, got "
                             f"{type(self.fit_config).__name__}")
+        if self.joint_epochs > 0 and self.lambda_out == 0 and self.lambda_kl == 0:
+            raise ValueError("TrainConfig: lambda_out and lambda_kl are both 0, the joint stage "
+                             "would have no loss")
         if self.pooling not in POOLINGS:
             raise ValueError(f"TrainConfig.pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.kl_max_rows is not None and (
@@ -248,7 +256,7 @@ class TrainResult:
 
 
 def budget_for_ratio(ratio: float, T: int) -> int:
-    """Training budget ``t = max(1, ceil(rho * T))`` (paper Sec. 3.4). A 1e-9 tolerance keeps
+    """Training budget ``t = max(1, ceil(rho * T))`` (paper Sec. 3.5). A 1e-9 tolerance keeps
     float products such as ``0.1 * 30`` from rounding up."""
     if not 0 < ratio <= 1:
         raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
@@ -323,7 +331,7 @@ def _gather_rows(A: Tensor, idx: Tensor) -> Tensor:
 def hard_branch_loss(scores: Tensor, Q_fit: Tensor, Q_hold: Tensor, K: Tensor, V: Tensor,
                      scaling: float, ratio: float, fit_config: FitConfig | None = None,
                      Y_hold: Tensor | None = None) -> HardBranch:
-    """Hard-selection branch ``L_out^h`` (paper Sec. 3.4, Eq. (output_loss)), no gradient.
+    """Hard-selection branch ``L_out^h`` (paper Sec. 3.5, Eq. (output_loss)), no gradient.
 
     ``t = max(1, ceil(rho T))``; ``S`` = top-``t`` of ``scores [H, T]`` (pooled over
     D_score); ``C_k = K_S``; ``beta`` from ``fit_beta`` (Eq. (mass_fit)) and ``C_v`` from
@@ -373,7 +381,8 @@ def ridge_solve(P: Tensor, Y: Tensor, ridge: float, relative: bool = True) -> Te
 
 def soft_branch_loss(scores: Tensor, Q_fit: Tensor, Q_hold: Tensor, K: Tensor, V: Tensor,
                      scaling: float, hard: HardBranch, gamma: float,
-                     fit_config: FitConfig | None = None, Y_fit: Tensor | None = None, Y_hold: Tensor | None = None) -> Tensor:
+                     fit_config: FitConfig | None = None, Y_fit: Tensor | None = None,
+                     Y_hold: Tensor | None = None) -> Tensor:
     """Soft surrogate ``L_out^s`` (paper Eqs. (soft_candidate_gate), (soft_attention_output)).
 
     Candidates ``C`` = top-``min(T, 2t)`` of ``scores`` (same order as the hard branch, so
@@ -387,6 +396,9 @@ def soft_branch_loss(scores: Tensor, Q_fit: Tensor, Q_hold: Tensor, K: Tensor, V
     if not (math.isfinite(gamma) and gamma > 0):
         raise ValueError(f"gamma must be positive, got {gamma!r}")
     T, t = K.shape[1], hard.t
+    if scores.shape != (K.shape[0], T) or hard.order.shape != (K.shape[0], T):
+        raise ValueError(f"scores {tuple(scores.shape)} and hard.order {tuple(hard.order.shape)} "
+                         f"must both be [H, T] = [{K.shape[0]}, {T}]")
     m = min(T, 2 * t)
     dt = torch.float64
     cand = hard.order[:, :m]  # [H, m]
@@ -413,7 +425,7 @@ def soft_branch_loss(scores: Tensor, Q_fit: Tensor, Q_hold: Tensor, K: Tensor, V
 def ste_loss(hard_loss: Tensor, soft_loss: Tensor) -> Tensor:
     """``L_out^STE = sg(L_h) + L_s - sg(L_s)`` (paper Eq. (output_ste)): the value of the hard
     branch with the gradient of the soft surrogate."""
-    return soft_loss + (hard_loss.detach() - soft_loss.detach())
+    return hard_loss.detach() + (soft_loss - soft_loss.detach())  # forward value exactly L_h
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,7 +494,7 @@ def _episode_loss(params: dict[str, Tensor], indexer: ValueAwareIndexer, pool: R
     cfg = indexer.config
     dtype = params["L_q"].dtype
     device = params["L_q"].device
-    X, Q = pool.X.to(device, dtype), pool.Q.to(device, dtype)
+    Q = pool.Q.to(device, dtype)
     K, V = pool.K.to(device, dtype), pool.V.to(device, dtype)
     n_rows = Q.shape[1]
     all_rows = torch.arange(n_rows, device=device)
@@ -492,21 +504,24 @@ def _episode_loss(params: dict[str, Tensor], indexer: ValueAwareIndexer, pool: R
         kl_rows = all_rows
     stats: dict[str, float] = {}
     loss = torch.zeros((), dtype=torch.float32, device=device)
-    need_out = stage.lambda_out > 0
+    use_kl, need_out = stage.lambda_kl > 0, stage.lambda_out > 0
     if need_out:
         pos_s, pos_f, pos_h = _split_positions(pool.n_ref, config.episode_fractions, split_seed,
                                                global_epoch, device)
         rows_s, rows_f, rows_h = pool.rows(pos_s), pool.rows(pos_f), pool.rows(pos_h)
-    if stage.lambda_kl > 0 or need_out:
-        rows = kl_rows if (not need_out or kl_rows is all_rows) else torch.cat([kl_rows, rows_s])
-        I = layer_logits(params, cfg, pool.X_rows(rows).to(device, dtype), Q[:, rows], K, V)
-        n_kl = kl_rows.numel()
-        if stage.lambda_kl > 0:
-            l_kl = kl_loss(I[:, :n_kl], Q[:, kl_rows], K, pool.scaling)
-            loss = loss + stage.lambda_kl * l_kl
-            stats["kl"] = float(l_kl.detach())
+    # one logits pass over the rows needed: KL rows (D_ref or a subset), then D_score rows
+    if use_kl and need_out:
+        rows = all_rows if kl_rows is all_rows else torch.cat([kl_rows, rows_s])
+    else:
+        rows = kl_rows if use_kl else rows_s
+    I = layer_logits(params, cfg, pool.X_rows(rows).to(device, dtype), Q[:, rows], K, V)
+    n_kl = kl_rows.numel() if use_kl else 0
+    if use_kl:
+        l_kl = kl_loss(I[:, :n_kl], Q[:, kl_rows], K, pool.scaling)
+        loss = loss + stage.lambda_kl * l_kl
+        stats["kl"] = float(l_kl.detach())
     if need_out:
-        I_s = I[:, rows_s] if kl_rows is all_rows else I[:, n_kl:]
+        I_s = I[:, rows_s] if rows is all_rows else I[:, n_kl:]
         s = pooled_scores(I_s, config.pooling)
         ratio = config.ratios[int(torch.randint(len(config.ratios), (1,), generator=gen))]
         Q_f, Q_h = Q[:, rows_f], Q[:, rows_h]

@@ -1,0 +1,90 @@
+"""lm-eval integration: the ``hf-arckv`` model (an ``HFLM`` that compacts each prompt's document).
+
+Three ways to use it (lm-eval 0.4.13):
+
+1. The stock command, once the package is installed (``pip install -e .`` or a wheel)::
+
+       HF_HUB_OFFLINE=1 lm_eval --model hf-arckv \\
+           --model_args press=arckv-ha,ratio=0.1,dtype=float32 \\
+           --tasks quality --include_path tasks --device cpu --output_path results/
+
+   The name resolves through a start-up hook: the installed ``arckv_press_lm_eval.pth`` imports
+   the tiny ``_arckv_press_lm_eval_hook`` module (a copy of :mod:`._pth_hook`), which registers
+   ``hf-arckv`` lazily when lm-eval imports its registry (nothing else is imported at start-up).
+   Opt out with ``ARCKV_LM_EVAL_NO_HOOK=1``.
+
+2. The console script ``arckv-lm-eval`` (same arguments as ``lm_eval``; registers the model,
+   adds ``--include_path <repo>/tasks`` when the repository's task folder is present and no
+   include path was given, then runs lm-eval's CLI): see :mod:`.cli`.
+
+3. Python::
+
+       import lm_eval
+       import arckv_press.lm_eval                      # registers "hf-arckv"
+       from arckv_press.lm_eval import HFArcKV          # lazy attribute (imports torch/lm-eval)
+
+       results = lm_eval.simple_evaluate(
+           model="hf-arckv", model_args="press=snapkv,ratio=0.25", tasks=["quality"], ...)
+       # or with an instance:
+       lm = HFArcKV(press="arckv-ha", ratio=0.1, records="records.jsonl")
+       results = lm_eval.simple_evaluate(model=lm, tasks=[...], task_manager=...)
+
+Data-parallel evaluation: ``accelerate launch -m lm_eval --model hf-arckv ...`` splits the
+documents over ranks exactly as for ``--model hf`` (each rank compacts only the documents of its
+own requests and writes its own records file, suffixed ``_rank<r>``). Note that lm-eval's
+``HFLM`` only sets up data parallelism when GPUs are present; on CPU each process evaluates
+everything.
+
+Importing this package is cheap (no torch, no lm-eval): the model class is loaded on first use.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from . import _pth_hook
+
+MODEL_NAME = "hf-arckv"
+MODEL_TARGET = "arckv_press.lm_eval.model:HFArcKV"
+
+__all__ = ["MODEL_NAME", "MODEL_TARGET", "HFArcKV", "register", "on_registry_imported"]
+
+
+def on_registry_imported(registry_module: Any) -> None:
+    """Register ``hf-arckv`` (lazy ``"module:Class"`` target) in a freshly imported lm-eval registry.
+
+    Also imports ``lm_eval.models`` (a table of lazy placeholders, no model code): lm-eval only
+    registers its own models when ``get_model`` finds the registry *empty*, which it no longer is
+    once ``hf-arckv`` is in it. Idempotent.
+    """
+    registry = registry_module.model_registry
+    if MODEL_NAME not in registry:
+        registry.register(MODEL_NAME, target=MODEL_TARGET)
+    import lm_eval.models  # noqa: F401  (registers "hf", "vllm", ... as lazy placeholders)
+
+
+def register() -> None:
+    """Register ``hf-arckv`` in lm-eval's model registry now (imports ``lm_eval.api.registry``)."""
+    import lm_eval.api.registry as registry_module
+
+    on_registry_imported(registry_module)
+
+
+def _activate() -> None:
+    registry_module = sys.modules.get(_pth_hook.REGISTRY_MODULE)
+    if registry_module is not None and hasattr(registry_module, "model_registry"):
+        on_registry_imported(registry_module)
+    else:
+        _pth_hook.install()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HFArcKV":
+        from .model import HFArcKV
+
+        return HFArcKV
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_activate()

@@ -1,0 +1,108 @@
+"""What a benchmark script records about its run: the command line, machine and versions, and
+append-only CSV files (so long runs can be resumed row by row).
+
+Used by ``scripts/needle.py``, ``scripts/bench_compaction.py`` and ``scripts/bench_decode.py``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["command_line", "machine_info", "print_header", "run_meta", "read_rows", "append_rows"]
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The exact command as typed (``python scripts/x.py --flag ...``)."""
+    argv = sys.argv if argv is None else argv
+    return shlex.join([Path(sys.executable).name, *argv])
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def machine_info(device: str | torch.device = "cpu") -> dict[str, str]:
+    """Device, CPU count, torch threads and the versions that matter for timings."""
+    from arckv_press import __version__
+
+    device = torch.device(device)
+    name = platform.processor() or platform.machine()
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    return {
+        "device": f"{device.type} ({name})",
+        "cpu_count": str(os.cpu_count()),
+        "torch_threads": str(torch.get_num_threads()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "kvpress": _version("kvpress"),
+        "arckv_press": __version__,
+        "platform": platform.platform(),
+    }
+
+
+def run_meta(device: str | torch.device = "cpu", argv: list[str] | None = None) -> dict[str, str]:
+    """Columns appended to every CSV row: command, date (UTC), package version, machine."""
+    info = machine_info(device)
+    machine = (
+        f"{info['device']}, {info['cpu_count']} CPUs, {info['torch_threads']} threads, torch {info['torch']}, "
+        f"transformers {info['transformers']}, kvpress {info['kvpress']}"
+    )
+    return {
+        "command": command_line(argv),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "package_version": info["arckv_press"],
+        "machine": machine,
+    }
+
+
+def print_header(title: str, device: str | torch.device = "cpu", argv: list[str] | None = None) -> None:
+    """Print the command line and machine info (first lines of every benchmark's output)."""
+    print(f"# {title}")
+    print(f"command: {command_line(argv)}")
+    for key, value in machine_info(device).items():
+        print(f"{key}: {value}")
+    print(flush=True)
+
+
+def read_rows(path: str | Path) -> list[dict[str, str]]:
+    """All rows of a CSV written by :func:`append_rows` (empty list if the file does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def append_rows(path: str | Path, rows: list[dict], fieldnames: list[str]) -> None:
+    """Append ``rows`` to ``path`` (header written when the file is new; must match otherwise)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        with open(path, newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), [])
+        if header != list(fieldnames):
+            raise ValueError(
+                f"{path} has columns {header}, this script writes {list(fieldnames)}: move the old file away"
+            )
+    with open(path, "a", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fieldnames)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+        f.flush()

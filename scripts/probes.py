@@ -1,0 +1,111 @@
+"""Needle retrieval and continuation damage for methods, reference-query sources and poolings.
+
+    python scripts/probes.py --quick
+    python scripts/probes.py --configs arckv-ha arckv-ha:ctx=0.5 arckv-ha:pool=max snapkv kvzip --ratios 0.2 0.1
+
+A config is ``METHOD[:key=value,...]`` with keys ``ctx`` (share of reference queries from the
+context's own prefill: 0 = repeat-prefill only, the paper's default) and ``pool`` (rms, mean,
+max). Results are appended to ``leaderboards/probes.csv`` (resumable: finished rows are skipped);
+the haystack and documents are the Paul Graham essays in ``../shared/data/ruler/pg_essays.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from arckv_press import __version__
+from arckv_press.haystack import load_haystack
+from arckv_press.models import load_model
+from arckv_press.probes import continuation_probe, needle_probe, split_documents
+from arckv_press.registry import make_press
+
+FIELDS = ["config", "method", "ratio", "options", "needle_found", "needle_total", "damage", "damage_docs",
+          "compaction_seconds", "date", "version", "command"]
+
+
+def parse_config(text: str) -> tuple[str, dict]:
+    method, _, rest = text.partition(":")
+    options: dict = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key == "ctx":
+            options["context_fraction"] = float(value)
+        elif key == "pool":
+            options.setdefault("config_options", {})["pooling"] = value
+        else:
+            raise ValueError(f"unknown option {key!r} in config {text!r} (use ctx=, pool=)")
+    return method, options
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=["arckv-ha", "arckv-ha:ctx=0.5", "arckv-ha:ctx=1",
+                                                    "arckv-ha:pool=max", "arckv-ha:pool=mean", "arckv-vi",
+                                                    "am-omp-fast", "snapkv", "kvzip", "expected_attention"])
+    p.add_argument("--ratios", nargs="+", type=float, default=[0.2, 0.1])
+    p.add_argument("--needle-tokens", type=int, default=2000)
+    p.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--docs", type=int, default=4)
+    p.add_argument("--doc-tokens", type=int, default=1500)
+    p.add_argument("--cont-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="leaderboards/probes.csv")
+    p.add_argument("--quick", action="store_true", help="2 needles, 1 document, ratio 0.2, three configs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.configs, args.ratios, args.depths, args.seeds, args.docs = ["arckv-ha", "snapkv", "kvzip"], [0.2], [0.5], [0, 1], 1
+    torch.set_num_threads(args.threads)
+    command = "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))
+    print(f"# {command}\n# machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, arckv-press {__version__}")
+
+    out = Path(args.out)
+    done = set()
+    if out.exists():
+        with out.open() as f:
+            done = {(r["config"], float(r["ratio"])) for r in csv.DictReader(f)}
+    model, tok = load_model()
+    haystack = load_haystack(None)
+    documents = split_documents(tok, haystack[len(haystack) // 2 :], args.docs, args.doc_tokens, args.cont_tokens)
+    references: dict = {}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    new_file = not out.exists()
+    with out.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        if new_file:
+            writer.writeheader()
+        for config in args.configs:
+            method, options = parse_config(config)
+            for ratio in args.ratios:
+                if (config, ratio) in done:
+                    print(f"skip {config} @ {ratio} (done)")
+                    continue
+                factory = lambda: make_press(method, ratio, **options)  # noqa: E731
+                t0 = time.perf_counter()
+                needle, _ = needle_probe(model, tok, factory, haystack, args.needle_tokens, args.depths, args.seeds)
+                cont, _ = continuation_probe(model, tok, factory, documents, references)
+                row = {
+                    "config": config, "method": method, "ratio": ratio, "options": json.dumps(options),
+                    "needle_found": round(needle.value * needle.count), "needle_total": needle.count,
+                    "damage": round(cont.value, 4), "damage_docs": cont.count,
+                    "compaction_seconds": round((needle.seconds + cont.seconds) / (needle.count + len(documents)), 2),
+                    "date": time.strftime("%Y-%m-%d"), "version": __version__, "command": command,
+                }
+                writer.writerow(row)
+                f.flush()
+                print(f"{config:<24} keep {ratio:<5} needles {row['needle_found']}/{row['needle_total']}  "
+                      f"damage {row['damage']:+.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""``compact(...)`` end to end on tiny models (and the default model for fidelity).
+
+References: the plain ``DynamicCache`` of the same context (ratio 1 must be exact), kvpress-style
+tokenization built here from the chat template, closed-form budgets/bytes, and for fidelity the
+uncompressed attention outputs of held-out repeat queries.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from arckv_press.api import METHODS, CompactionConfig, _reference_positions, compact, compact_prefilled
+from arckv_press.cache import CompactCache, CompactLayer
+from arckv_press.capture import framing_for, prefill, repeat_prefill
+from arckv_press.compaction.fit import compact_attention, full_attention
+from arckv_press.compaction.layer import LayerMethod, compact_layer
+from arckv_press.compaction.reference import group_queries_by_kv_head
+from arckv_press.models import describe_attention_layout
+
+PG_ESSAYS = Path("/work/shared/data/ruler/pg_essays.txt")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny tensors: with 2 intra-op threads on a loaded 2-core machine torch spins and runs these
+    tests up to ~100x slower; restored after the module."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_text(n_chars: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    words = ["alpha", "river", "stone", "ember", "quiet", "lunar", "maple", "cobalt", "drift", "wren"]
+    text = ""
+    while len(text) < n_chars:
+        text += rng.choice(words) + rng.choice([" ", " ", ", ", ". "])
+    return text[:n_chars]
+
+
+def kvpress_ids(tok, context: str, question: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Context and question ids the way kvpress's pipeline frames them (chat template split on a
+    separator), plus the prefix length (tokens before the document)."""
+    sep = "#" * (len(context) + 10)
+    text = tok.apply_chat_template([{"role": "user", "content": context + sep}], add_generation_prompt=True, tokenize=False)
+    ctx, suffix = text.split(sep)
+    ctx_ids = tok.encode(ctx, add_special_tokens=False)
+    prefix_len = len(tok.encode(ctx[: ctx.index(context)], add_special_tokens=False))
+    q_ids = tok.encode(question + suffix, add_special_tokens=False)
+    return torch.tensor([ctx_ids]), torch.tensor([q_ids]), prefix_len
+
+
+# ------------------------------------------------------------------------ ratio 1 is exact
+
+IDENTITY_CASES = [(f, {}) for f in ("llama", "qwen2", "qwen3", "mistral", "gemma3")] + [("gemma3", {"sliding_window": 8})]
+
+
+@pytest.mark.parametrize("family,overrides", IDENTITY_CASES, ids=[f"{f}{'-sw8' if o else ''}" for f, o in IDENTITY_CASES])
+def test_ratio_one_is_the_plain_cache(tiny_model, tiny_tokenizer, family, overrides):
+    model = tiny_model(family, num_layers=2, **overrides)
+    tok = tiny_tokenizer()
+    text, question = make_text(50, seed=1), "which river is quiet?"
+    ctx_ids, q_ids, P = kvpress_ids(tok, text, question)
+    T = ctx_ids.shape[1] - P
+    full_ids = torch.cat([ctx_ids, q_ids], dim=1)
+    with torch.no_grad():
+        dyn = DynamicCache(config=model.config)
+        model(ctx_ids, past_key_values=dyn)
+        prefix_keys = [layer.keys[:, :, :P].clone() for layer in dyn.layers]
+        doc_keys = [layer.keys[0, :, P:].clone() for layer in dyn.layers]
+        ref_logits = model(q_ids, past_key_values=dyn).logits
+        ref_gen = model.generate(full_ids, max_new_tokens=8, do_sample=False, pad_token_id=2)
+
+        cache = compact(model, tok, text, ratio=1.0)  # default method 'arckv': no indexer needed at rho = 1
+        assert isinstance(cache, CompactCache)
+        full_layers = describe_attention_layout(model).full_attention_layers
+        for i, layer in enumerate(cache.layers):
+            if i in full_layers:
+                assert isinstance(layer, CompactLayer)
+                assert layer.num_appended == P and layer.span == T
+                assert layer.lengths.tolist() == [T, T]
+                assert torch.equal(layer.beta, torch.zeros_like(layer.beta))
+                assert torch.equal(layer.keys[:, :, T:], prefix_keys[i])  # prefix kept verbatim
+                assert torch.equal(layer.ck.view(2, T, -1), doc_keys[i])
+            else:
+                assert not isinstance(layer, CompactLayer)
+                assert isinstance(layer, DynamicSlidingWindowLayer if overrides else DynamicLayer)
+        if family == "gemma3":
+            assert [isinstance(l, CompactLayer) for l in cache.layers] == [False, True]
+        assert cache.get_seq_length() == P + T
+        assert cache.realised_ratio() == 1.0
+        logits = model(q_ids, past_key_values=cache).logits
+
+        fresh = compact(model, tok, text, "arckv-ha", 1.0)
+        gen = model.generate(full_ids, past_key_values=fresh, max_new_tokens=8, do_sample=False, pad_token_id=2)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+    assert torch.equal(gen, ref_gen)
+
+
+# ------------------------------------------------------------------- every method, rho = 0.25
+
+METHOD_FAMILIES = ("llama", "qwen3", "gemma3")
+TRAINING_FREE = [m for m in METHODS if m != "arckv"]
+
+
+def layer_tensors(cache: CompactCache) -> list[tuple[torch.Tensor, ...]]:
+    return [(l.ck, l.beta, l.cv, l.lengths, l._new_k, l._new_v) for l in cache.compact_layers]
+
+
+@pytest.mark.parametrize("family", METHOD_FAMILIES)
+def test_every_method_quarter_ratio(tiny_model, tiny_tokenizer, family):
+    assert sorted(TRAINING_FREE) == ["am-ha", "am-omp", "am-omp-fast", "arckv-ha", "arckv-vi"]
+    model = tiny_model(family, num_layers=2)
+    tok = tiny_tokenizer()
+    layout = describe_attention_layout(model)
+    H, D = layout.num_kv_heads, layout.head_dim
+    text = make_text(70, seed=2)
+    ctx_ids, q_ids, P = kvpress_ids(tok, text, "which stone?")
+    T = ctx_ids.shape[1] - P
+    assert T == 70
+    t = math.floor(0.25 * T)  # uniform weights: floor(rho T) per head (paper Eq. (per_head_budget))
+    n_full = len(layout.full_attention_layers)
+    opts = dict(query_budget=64)  # 32 of the 70 positions: the seed matters
+    for method in TRAINING_FREE:
+        with torch.no_grad():
+            cache = compact(model, tok, text, method, 0.25, **opts)
+            again = compact(model, tok, text, method, 0.25, **opts)
+            logits = model(q_ids, past_key_values=cache).logits
+        assert len(cache.compact_layers) == n_full
+        for layer in cache.compact_layers:
+            assert layer.lengths.tolist() == [t] * H, method
+            assert layer.num_appended - q_ids.shape[1] == P
+            for x in (layer.ck, layer.beta, layer.cv):
+                assert torch.isfinite(x).all(), method
+        assert cache.realised_ratio() == pytest.approx(t / T, abs=0)
+        assert cache.report.realised_ratio == pytest.approx(t / T, abs=0)
+        expected_bytes = n_full * H * t * (2 * D * 4 + 4)
+        assert cache.report.compact_bytes == expected_bytes == cache.compact_nbytes()
+        assert cache.report.full_bytes == n_full * 2 * H * (P + T) * D * 4
+        assert cache.report.reference_rows == layout.group_size * 32
+        assert torch.isfinite(logits).all()
+        for layer in again.compact_layers:  # no hidden storage (e.g. a view of the full cache)
+            for x in (layer.ck, layer.beta, layer.cv, layer._new_k, layer._new_v):
+                assert x.untyped_storage().nbytes() == x.nbytes, method
+        for a, b in zip(layer_tensors(again), layer_tensors(compact(model, tok, text, method, 0.25, **opts))):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"{method}: not deterministic"
+        other = compact(model, tok, text, method, 0.25, seed=1, **opts)
+        assert any(
+            not torch.equal(x, y) for a, b in zip(layer_tensors(again), layer_tensors(other)) for x, y in zip(a[:3], b[:3])
+        ), f"{method}: the seed has no effect"
+
+
+def test_api_feeds_compact_layer_the_captured_queries(tiny_model, tiny_tokenizer):
+    """The compacted layer equals ``compact_layer`` on queries captured and grouped here."""
+    model = tiny_model("qwen3", num_layers=2)
+    tok = tiny_tokenizer()
+    text = make_text(60, seed=3)
+    config = CompactionConfig(method="arckv-ha", ratio=0.25, query_budget=40, seed=5)
+    layout = describe_attention_layout(model)
+    with torch.no_grad():
+        ids, _, P = kvpress_ids(tok, text, "?")
+        T = ids.shape[1] - P
+        dyn = DynamicCache(config=model.config)
+        prefill(model, ids, dyn)
+        K = [l.keys[0, :, P:].clone() for l in dyn.layers]
+        V = [l.values[0, :, P:].clone() for l in dyn.layers]
+        positions, _ = _reference_positions(T, layout.group_size, config)
+        assert positions.numel() == 20
+        store = repeat_prefill(model, tok, dyn, ids[:, P:], framing_for(tok).suffix_ids, [0, 1], positions)
+        cache = compact(model, tok, text, config.method, config.ratio, query_budget=40, seed=5)
+    budgets = torch.full((2,), math.floor(0.25 * T))
+    for i, layer in enumerate(cache.compact_layers):
+        Q = group_queries_by_kv_head(store.layer(i)[1][None], 2)
+        res = compact_layer(K[i], V[i], Q, budgets, layout.scaling, LayerMethod("arckv-ha"))
+        torch.testing.assert_close(layer.ck, res.C_k[res.valid], atol=1e-6, rtol=0)
+        torch.testing.assert_close(layer.beta, res.beta[res.valid], atol=1e-5, rtol=0)
+        torch.testing.assert_close(layer.cv, res.C_v[res.valid], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+def test_budget_weights_give_per_head_budgets(tiny_model, tiny_tokenizer, tmp_path, as_file):
+    """t_lh = floor(a_lh |P| rho T), a = w / sum(w) (paper Eq. (per_head_budget)), by hand."""
+    model = tiny_model("llama", num_layers=2)
+    tok = tiny_tokenizer()
+    w = torch.tensor([[1.0, 2.0], [3.0, 2.0]])
+    weights = w
+    if as_file:
+        weights = tmp_path / "weights.pt"
+        torch.save(w, weights)
+    with torch.no_grad():
+        cache = compact(model, tok, make_text(70, seed=6), "arckv-vi", 0.25, budget_weights=weights)
+    # |P| = 4 layer-heads, rho T = 17.5: raw = w / 8 * 4 * 17.5 = [[8.75, 17.5], [26.25, 17.5]]
+    assert [layer.lengths.tolist() for layer in cache.compact_layers] == [[8, 17], [26, 17]]
+    assert cache.realised_ratio() == pytest.approx((8 + 17 + 26 + 17) / (4 * 70), abs=0)
+    assert cache.compact_nbytes() == (8 + 17 + 26 + 17) * (2 * 16 * 4 + 4)
+    with pytest.raises(ValueError, match="budget weights have shape"):
+        compact(model, tok, make_text(70, seed=6), "arckv-vi", 0.25, budget_weights=torch.ones(3, 2))
+
+
+def test_context_fraction_uses_context_queries(tiny_model, tiny_tokenizer):
+    """context_fraction = 1: reference rows come from the context prefill only (no repeat)."""
+    model = tiny_model("llama", num_layers=2)
+    tok = tiny_tokenizer()
+    text = make_text(40, seed=4)
+    with torch.no_grad():
+        cache = compact(model, tok, text, "arckv-ha", 0.5, context_fraction=1.0, query_budget=30)
+    assert "repeat_prefill" not in cache.report.timings
+    assert cache.report.reference_rows == 30
+    assert cache.realised_ratio() == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------------ fidelity
+
+
+@pytest.mark.model
+def test_fidelity_default_model(default_model_fp32):
+    """Held-out repeat queries: the compact cache (beta, C_v fitted) reproduces the layer attention
+    outputs better than keeping the same anchors' original keys/values without beta (eviction).
+
+    ``compact`` fits on a subset of the repeat positions (``query_budget``); the other positions
+    are held out. Anchors are recovered by rerunning ``compact_layer`` on the same rows, which
+    must reproduce the API's compact keys. Runs the press path (``already_prefilled``) on a cache
+    prefilled here, to pay for one prefill only."""
+    if not PG_ESSAYS.is_file():
+        pytest.skip(f"{PG_ESSAYS} is missing")
+    model, tok = default_model_fp32
+    layout = describe_attention_layout(model)
+    H, G = layout.num_kv_heads, layout.group_size
+    framing = framing_for(tok)
+    doc = tok.encode(PG_ESSAYS.read_text()[:4000], add_special_tokens=False)[:600]
+    text = tok.decode(doc)
+    ids = torch.tensor([framing.prefix_ids + tok.encode(text, add_special_tokens=False)])
+    P, T = len(framing.prefix_ids), ids.shape[1] - len(framing.prefix_ids)
+    config = CompactionConfig(method="arckv-ha", ratio=0.3, query_budget=G * 400)
+    fit_pos, _ = _reference_positions(T, G, config)
+    held = torch.tensor(sorted(set(range(T)) - set(fit_pos.tolist())))[::2]  # ~100 held-out positions
+    layers = list(layout.full_attention_layers)[1::4]
+
+    with torch.no_grad():
+        dyn = DynamicCache(config=model.config)
+        prefill(model, ids, dyn)
+        K = {l: dyn.layers[l].keys[0, :, P:].clone() for l in layers}
+        V = {l: dyn.layers[l].values[0, :, P:].clone() for l in layers}
+        both, order = torch.sort(torch.cat([fit_pos, held]))  # positions must be increasing
+        store = repeat_prefill(model, tok, dyn, ids[:, P:], framing.suffix_ids, layers, both)
+        slot = torch.empty_like(order)
+        slot[order] = torch.arange(order.numel())  # row of fit_pos / held in the store
+        fit_rows, held_rows = slot[: fit_pos.numel()], slot[fit_pos.numel() :]
+        t0 = time.perf_counter()
+        cache = compact_prefilled(model, tok, dyn, ids, P, config, already_prefilled=True)  # the press path
+        print(f"compact_prefilled: {time.perf_counter() - t0:.1f} s", cache.report.timings)
+    assert cache.report.original_length == T
+
+    t = math.floor(0.3 * T)
+    errs_c, errs_e = [], []
+    for l in layers:
+        q = store.layer(l)[1]  # [Hq, n_fit + n_held, D]
+        Q_fit = group_queries_by_kv_head(q[None, :, fit_rows], H)
+        Q_held = group_queries_by_kv_head(q[None, :, held_rows], H)
+        res = compact_layer(K[l], V[l], Q_fit, torch.full((H,), t), layout.scaling, LayerMethod("arckv-ha"))
+        layer = cache.layers[l]
+        assert layer.lengths.tolist() == [t] * H
+        torch.testing.assert_close(layer.ck, res.C_k[res.valid], atol=1e-4, rtol=1e-4)
+        ck, beta, cv = layer.padded()
+        O = full_attention(Q_held, K[l], V[l], layout.scaling)
+        O_c = compact_attention(Q_held, ck, beta.masked_fill(beta.isinf(), 0), cv, layout.scaling, res.valid)
+        gather = lambda X: X.gather(1, res.anchors[..., None].expand(-1, -1, X.shape[-1]))  # noqa: E731
+        O_e = compact_attention(Q_held, gather(K[l]), torch.zeros(H, t), gather(V[l]), layout.scaling, res.valid)
+        errs_c.append(float((O_c - O).norm() / O.norm()))
+        errs_e.append(float((O_e - O).norm() / O.norm()))
+    print("held-out relative attention-output error, compact:", [f"{e:.4f}" for e in errs_c])
+    print("held-out relative attention-output error, eviction:", [f"{e:.4f}" for e in errs_e])
+    assert all(c < e for c, e in zip(errs_c, errs_e))
+    assert sum(errs_c) < 0.8 * sum(errs_e)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input(tiny_model, tiny_tokenizer):
+    model = tiny_model("llama", num_layers=2)
+    tok = tiny_tokenizer()
+    text = make_text(40)
+    with pytest.raises(ValueError, match="empty"):
+        compact(model, tok, "", "arckv-ha", 0.5)
+    with pytest.raises(ValueError, match="empty"):
+        compact(model, tok, " \n ", "arckv-ha", 0.5)
+    with pytest.raises(ValueError, match="at least 16"):
+        compact(model, tok, "short text", "arckv-ha", 0.5)
+    with pytest.raises(ValueError, match="at least 50"):
+        compact(model, tok, text, "arckv-ha", 0.5, min_length=50)
+    for ratio in (0, 0.0, 1.5, -0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ratio"):
+            compact(model, tok, text, "arckv-ha", ratio)
+    with pytest.raises(ValueError, match="unknown method 'omp'"):
+        compact(model, tok, text, "omp", 0.5)
+    with pytest.raises(ValueError, match="context_fraction"):
+        compact(model, tok, text, "arckv-ha", 0.5, context_fraction=float("nan"))
+    # options checked before any forward (CompactionConfig), not after the repeat-prefill
+    with pytest.raises(ValueError, match="lambda_m"):
+        CompactionConfig(method="arckv-ha", lambda_m=2.0)
+    with pytest.raises(ValueError, match="pooling"):
+        CompactionConfig(method="arckv-ha", pooling="median")
+    with pytest.raises(ValueError, match="min_length"):
+        CompactionConfig(method="arckv-ha", min_length=0)
+
+    config = CompactionConfig(method="arckv-ha", ratio=0.5)
+    ids = torch.randint(6, 100, (2, 40))
+    with pytest.raises(ValueError, match=r"batch size 1 only.*\(2, 40\)"):
+        compact_prefilled(model, tok, DynamicCache(config=model.config), ids, 3, config)
+    for bad in (-1, 41):
+        with pytest.raises(ValueError, match="prefix_len"):
+            compact_prefilled(model, tok, DynamicCache(config=model.config), ids[:1], bad, config)
+    with pytest.raises(TypeError, match="prefix_len"):
+        compact_prefilled(model, tok, DynamicCache(config=model.config), ids[:1], 3.0, config)
+
+
+def test_unsupported_model_gpt2(tiny_tokenizer):
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=256)).eval()
+    with pytest.raises(ValueError, match="not supported") as err:
+        compact(model, tiny_tokenizer(), make_text(40), "arckv-ha", 0.5)
+    msg = str(err.value)
+    assert "GPT2LMHeadModel" in msg and "rotary" in msg and "self_attn" in msg
+
+
+def test_arckv_without_indexer(tiny_model, tiny_tokenizer):
+    model = tiny_model("llama", num_layers=2)
+    tok = tiny_tokenizer()
+    with pytest.raises(ValueError, match="indexer="):
+        compact(model, tok, make_text(40), "arckv", 0.5)
+    # the check comes before the (possibly long) prefill: the cache is left empty
+    config = CompactionConfig(method="arckv", ratio=0.5)
+    ids = torch.tensor([framing_for(tok).prefix_ids + tok.encode(make_text(40), add_special_tokens=False)])
+    cache = DynamicCache(config=model.config)
+    with pytest.raises(ValueError, match="indexer="):
+        compact_prefilled(model, tok, cache, ids, 3, config)
+    assert cache.get_seq_length() == 0

@@ -1,0 +1,418 @@
+"""Tests of the ``hf-arckv`` lm-eval model (``arckv_press/lm_eval``).
+
+Fast tests: the document span mapping against a brute-force reference, the marker strings, the
+records path, the CLI argument handling, the start-up hook (in a subprocess: a ``.pth`` file in a
+site dir registers ``hf-arckv`` lazily and imports nothing heavy) and the build step (a wheel built
+from a copy of the project ships the ``.pth`` file).
+
+Model tests (``-m model``; the default SmolLM2 model, float32, CPU), all on tiny inputs:
+
+- one stock ``lm_eval`` CLI run in a subprocess (registration through the ``.pth`` hook) with
+  ``--model hf-arckv`` (``arckv-ha``, ratio 0.5) on 2-3 documents of each task family (QuALITY from
+  a shortened copy of the local L-Eval file, RULER ``niah_single_1`` at 256 tokens, LongBench
+  ``multifieldqa_zh`` at a 256-token budget), checking results and per-document records;
+- in-process ``simple_evaluate`` runs of ``hf``, ``hf-arckv`` (``arckv-ha``, ratio 1.0) and
+  ``hf-arckv`` (``snapkv``, ratio 0.5) on the same requests: ratio 1.0 reproduces ``hf``'s
+  log-likelihoods (float32, 1e-3) and generations, and every document is compacted once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from arckv_press.lm_eval import _build, _pth_hook
+from arckv_press.lm_eval.cli import prepare_argv
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS_DIR = REPO / "tasks"
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+TASKS = ["quality", "niah_single_1", "longbench_multifieldqa_zh"]
+METADATA = {"max_seq_lengths": [256], "num_samples": 2, "seed": 42, "max_length": 256}
+LIMIT = 3
+GEN_KWARGS = "max_gen_toks=12"
+# documents per task with LIMIT=3: quality: 3 questions of 2 articles; niah: 2 samples; longbench: 3
+EXPECTED_DOCS = {"quality": 2, "niah_single_1": 2, "longbench_multifieldqa_zh": 3}
+EXPECTED_REQUESTS = {"quality": 12, "niah_single_1": 2, "longbench_multifieldqa_zh": 3}
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def _load_model_module():
+    from arckv_press.lm_eval import model
+
+    return model
+
+
+def test_markers_match_task_definitions():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_doc_markers_for_test", TASKS_DIR / "_common" / "doc_markers.py")
+    markers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(markers)
+    mod = _load_model_module()
+    assert (mod.DOC_START, mod.DOC_END) == (markers.DOC_START, markers.DOC_END)
+    text = markers.wrap_document("Read this.\n\n", "a <document>\n quoted \n</document>\n inside", "\n\nQ: why?")
+    assert mod.locate_document(text) == markers.locate_document(text)
+    assert mod.locate_document("no markers here") is None
+    assert mod.locate_document("x\n</document>\n y <document>\n") is None  # end before start
+
+
+def _brute_span(offsets, start, end):
+    """Reference: tokens overlapping [start, end) (a zero-width span maps to the insertion point)."""
+    inside = [i for i, (s, e) in enumerate(offsets) if s < end and e > start]
+    if inside:
+        return min(inside), max(inside) + 1
+    first_after = next((i for i, (s, e) in enumerate(offsets) if e > start), len(offsets))
+    return first_after, first_after
+
+
+def test_document_token_span_matches_brute_force():
+    mod = _load_model_module()
+    rng = random.Random(0)
+    for _ in range(500):
+        n_chars = rng.randint(1, 60)
+        cuts = sorted(rng.sample(range(1, n_chars), k=rng.randint(0, min(20, n_chars - 1)))) if n_chars > 1 else []
+        bounds = [0, *cuts, n_chars]
+        offsets = [(a, b) for a, b in zip(bounds, bounds[1:])]
+        if rng.random() < 0.5:
+            offsets = [(0, 0)] + offsets  # a BOS token outside the text
+        start = rng.randint(1, n_chars)
+        end = rng.randint(start, n_chars)
+        got = mod.document_token_span(offsets, start, end)
+        assert got == _brute_span(offsets, start, end), (offsets, start, end)
+
+
+def test_document_token_span_straddling_tokens_belong_to_the_document():
+    mod = _load_model_module()
+    # "ab|cd|ef": document = chars [3, 5) = "de" -> tokens 1 ("cd") and 2 ("ef") both overlap it
+    assert mod.document_token_span([(0, 2), (2, 4), (4, 6)], 3, 5) == (1, 3)
+    assert mod.document_token_span([(0, 2), (2, 4), (4, 6)], 2, 4) == (1, 2)
+    with pytest.raises(ValueError, match="bad character span"):
+        mod.document_token_span([(0, 1)], 3, 2)
+
+
+def test_align_finds_the_plain_tokens_inside_special_tokens():
+    mod = _load_model_module()
+    assert mod._align([1, 5, 6, 7], [5, 6, 7]) == 1
+    assert mod._align([5, 6, 7, 2], [5, 6, 7]) == 0
+    assert mod._align([5, 6], [5, 6, 7]) is None
+    assert mod._align([1, 5, 9], [5, 6]) is None
+
+
+def test_records_path_and_cli_output_path():
+    mod = _load_model_module()
+    p = mod.records_path("out/dir", "HuggingFaceTB/SmolLM2-135M-Instruct", "arckv-ha", 0.1)
+    assert p == Path("out/dir/arckv_compaction_HuggingFaceTB__SmolLM2-135M-Instruct_arckv-ha_0.1.jsonl")
+    assert mod.records_path("out/res.json", "m", "snapkv", 0.25, rank=1, world_size=2) == Path(
+        "out/arckv_compaction_m_snapkv_0.25_rank1.jsonl"
+    )
+    assert mod._cli_output_path(["--model", "hf-arckv", "--output_path", "a/b"]) == "a/b"
+    assert mod._cli_output_path(["-o", "c"]) == "c"
+    assert mod._cli_output_path(["--output_path=d", "--tasks", "x"]) == "d"
+    assert mod._cli_output_path(["--tasks", "x"]) is None
+
+
+def test_cli_adds_the_repository_task_folder(monkeypatch):
+    monkeypatch.delenv("ARCKV_TASKS_DIR", raising=False)
+    args = ["--model", "hf-arckv", "--tasks", "quality"]
+    assert prepare_argv(args) == [*args, "--include_path", str(TASKS_DIR)]
+    assert prepare_argv(["run", *args]) == ["run", *args, "--include_path", str(TASKS_DIR)]
+    given = [*args, "--include_path", "/elsewhere"]
+    assert prepare_argv(given) == given
+    assert prepare_argv(["--help"]) == ["--help"]
+    assert prepare_argv(["bogus-command", "x"]) == ["bogus-command", "x"]
+    monkeypatch.setenv("ARCKV_TASKS_DIR", "/definitely/not/here")
+    with pytest.raises(FileNotFoundError, match="ARCKV_TASKS_DIR"):
+        prepare_argv(args)
+
+
+def test_unknown_press_and_bad_ratio_fail_before_loading_a_model():
+    mod = _load_model_module()
+    with pytest.raises(ValueError, match="unknown press 'nope'"):
+        mod.HFArcKV(press="nope")
+    with pytest.raises(ValueError, match="kept fraction"):
+        mod.HFArcKV(press="snapkv", ratio=0.0)
+    with pytest.raises(ValueError, match="max_cached_docs"):
+        mod.HFArcKV(press="snapkv", ratio=0.5, max_cached_docs=0)
+
+
+# --------------------------------------------------------------------------- start-up hook
+
+
+def _run_python(code: str, env: dict | None = None, timeout: float = 120) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=str(REPO),
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_pth_hook_registers_lazily_and_imports_nothing_heavy(tmp_path):
+    _build.write_hook_files(tmp_path)
+    assert (tmp_path / _build.PTH_NAME).read_text() == f"import {_build.HOOK_MODULE}\n"
+    assert (tmp_path / f"{_build.HOOK_MODULE}.py").read_text() == Path(_pth_hook.__file__).read_text()
+    code = f"""
+import site, sys
+before = set(sys.modules)
+site.addsitedir({str(tmp_path)!r})
+new = sorted(set(sys.modules) - before)
+assert new == [{_build.HOOK_MODULE!r}], new
+assert any(type(f).__name__ == "RegistryImportHook" for f in sys.meta_path)
+import lm_eval.api.registry as r
+assert not any(type(f).__name__ == "RegistryImportHook" for f in sys.meta_path)  # one-shot
+print(r.model_registry._objs["hf-arckv"])
+print("hf" in r.model_registry, "torch" in sys.modules)
+"""
+    out = _run_python(code).split()
+    assert out == ["arckv_press.lm_eval.model:HFArcKV", "True", "False"]
+    # opt-out
+    out = _run_python(
+        f"import site, sys; site.addsitedir({str(tmp_path)!r}); import lm_eval.api.registry as r; "
+        "print('hf-arckv' in r.model_registry)",
+        env={"ARCKV_LM_EVAL_NO_HOOK": "1"},
+    )
+    assert out.split() == ["False"]
+
+
+def test_importing_the_package_is_light_and_registers():
+    code = """
+import sys
+import arckv_press.lm_eval
+assert "torch" not in sys.modules and "lm_eval" not in sys.modules, "heavy import"
+import lm_eval.api.registry as r
+assert r.model_registry._objs["hf-arckv"] == "arckv_press.lm_eval.model:HFArcKV"
+assert r.get_model("hf").__name__ == "HFLM"      # lm-eval's own models still resolve
+print(r.get_model("hf-arckv").__name__)
+"""
+    assert _run_python(code).split() == ["HFArcKV"]
+
+
+def test_wheel_ships_the_pth_hook(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(REPO / "pyproject.toml", src / "pyproject.toml")
+    shutil.copy(REPO / "README.md", src / "README.md")
+    shutil.copytree(REPO / "arckv_press", src / "arckv_press", ignore=shutil.ignore_patterns("__pycache__", "weights"))
+    pyproject = (src / "pyproject.toml").read_text()
+    if "arckv_press.lm_eval._build.build_py" not in pyproject:  # the change the maintainers apply
+        pyproject = pyproject.replace(
+            "[tool.setuptools.packages.find]",
+            '[tool.setuptools]\ncmdclass = { build_py = "arckv_press.lm_eval._build.build_py" }\n\n'
+            "[tool.setuptools.packages.find]",
+        )
+        (src / "pyproject.toml").write_text(pyproject)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w", str(tmp_path / "dist")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        assert {_build.PTH_NAME, f"{_build.HOOK_MODULE}.py"} <= names
+        assert z.read(_build.PTH_NAME).decode() == f"import {_build.HOOK_MODULE}\n"
+        record = z.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
+        assert _build.PTH_NAME in record
+
+
+# --------------------------------------------------------------------------- model tests
+
+
+def _short_quality_file(path: Path) -> Path:
+    """Two L-Eval QuALITY articles cut to ~600 characters: 2 questions of the first, 1 of the second."""
+    source = SHARED_DATA / "quality" / "leval_quality.jsonl"
+    if not source.is_file():
+        pytest.skip(f"no local QuALITY file at {source}")
+    records = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines() if line.strip()][:2]
+    for record, n_questions in zip(records, (2, 1)):
+        text = record["input"].strip()
+        cut = text.rfind(".", 0, 600)
+        record["input"] = text[: cut + 1 if cut > 0 else 600]
+        record["instructions"] = record["instructions"][:n_questions]
+        record["outputs"] = record["outputs"][:n_questions]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def lm_env(tmp_path_factory):
+    for sub in ("ruler", "longbench"):
+        if not (SHARED_DATA / sub).is_dir():
+            pytest.skip(f"no local {sub} data in {SHARED_DATA}")
+    root = tmp_path_factory.mktemp("lm_eval")
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "ARCKV_QUALITY_PATH": str(_short_quality_file(root / "quality_short.jsonl")),
+        "ARCKV_RULER_DATA": str(SHARED_DATA / "ruler"),
+        "ARCKV_LONGBENCH_DIR": str(SHARED_DATA / "longbench"),
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield root, env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def cli_run(lm_env):
+    """Start the stock ``lm_eval`` CLI (``hf-arckv`` registered by the .pth hook) in a subprocess."""
+    root, env = lm_env
+    site_dir = root / "site"
+    _build.write_hook_files(site_dir)
+    out = root / "cli_out"
+    argv = [
+        "lm_eval", "--model", "hf-arckv", "--model_args", "press=arckv-ha,ratio=0.5,dtype=float32",
+        "--tasks", ",".join(TASKS), "--include_path", str(TASKS_DIR), "--device", "cpu", "--batch_size", "2",
+        "--limit", str(LIMIT), "--metadata", json.dumps(METADATA), "--gen_kwargs", GEN_KWARGS,
+        "--output_path", str(out),
+    ]
+    code = (
+        f"import site, sys, runpy; site.addsitedir({str(site_dir)!r}); sys.argv = {argv!r}; "
+        "runpy.run_module('lm_eval', run_name='__main__')"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=str(REPO), env={**os.environ, **env},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    yield proc, out
+    if proc.poll() is None:
+        proc.kill()
+
+
+def _read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _check_records(records: list[dict], press: str, ratio: float) -> None:
+    """One record per document (compaction once), with every request of the document counted."""
+    shas = [r["document_sha1"] for r in records]
+    assert len(shas) == len(set(shas)), "a document was compacted twice"
+    by_task: dict[str, list[dict]] = {}
+    for r in records:
+        (task,) = r["tasks"]
+        by_task.setdefault(task, []).append(r)
+        assert r["press"] == press and r["ratio"] == ratio and r["compacted"] is True
+        assert r["document_tokens"] > 0 and r["context_tokens"] == r["prefix_tokens"] + r["document_tokens"]
+        assert r["compaction_seconds"] > 0
+        assert r["full_cache_bytes"] > 0 and r["compacted_full_bytes"] > 0
+    assert {t: len(v) for t, v in by_task.items()} == EXPECTED_DOCS
+    assert {t: sum(r["requests"] for r in v) for t, v in by_task.items()} == EXPECTED_REQUESTS
+
+
+@pytest.fixture(scope="module")
+def inprocess_runs(lm_env, cli_run):
+    """``hf``, ``hf-arckv`` (arckv-ha, ratio 1.0) and ``hf-arckv`` (snapkv, 0.5) via simple_evaluate."""
+    import lm_eval
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from arckv_press.lm_eval.model import HFArcKV, default_model_path
+    from arckv_press.models import load_model
+
+    root, _ = lm_env
+    model, tokenizer = load_model(default_model_path(), dtype=torch.float32)
+    manager = TaskManager(include_path=str(TASKS_DIR), metadata=dict(METADATA))
+
+    def run(lm):
+        return lm_eval.simple_evaluate(
+            model=lm, tasks=list(TASKS), limit=LIMIT, task_manager=manager, log_samples=True,
+            gen_kwargs=GEN_KWARGS, metadata=dict(METADATA), bootstrap_iters=0,
+        )
+
+    runs = {"hf": run(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=2))}  # before any compaction
+    lms = {
+        "ratio1": HFArcKV(pretrained=model, tokenizer=tokenizer, press="arckv-ha", ratio=1.0, records=str(root / "r1.jsonl")),
+        "snapkv": HFArcKV(pretrained=model, tokenizer=tokenizer, press="snapkv", ratio=0.5, records=str(root / "snap.jsonl")),
+    }
+    for name, lm in lms.items():
+        runs[name] = run(lm)
+    return runs, lms
+
+
+def _responses(results: dict, task: str) -> list:
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return [s["resps"] for s in samples]
+
+
+@pytest.mark.model
+def test_ratio_one_reproduces_hf_and_compacts_each_document_once(inprocess_runs):
+    runs, lms = inprocess_runs
+    hf, r1 = runs["hf"], runs["ratio1"]
+    for task in TASKS:
+        ref, got = _responses(hf, task), _responses(r1, task)
+        assert len(ref) == len(got) > 0
+        if task == "quality":  # log-likelihoods of the four options
+            for a, b in zip(ref, got):
+                for (la, ga), (lb, gb) in zip([x[0] for x in a], [x[0] for x in b]):
+                    assert abs(la - lb) < 1e-3 and ga == gb
+        else:  # greedy generations
+            assert got == ref
+        for metric, value in hf["results"][task].items():
+            if isinstance(value, float) and "stderr" not in metric:
+                assert r1["results"][task][metric] == pytest.approx(value, abs=1e-9), (task, metric)
+    for name, press, ratio in (("ratio1", "arckv-ha", 1.0), ("snapkv", "snapkv", 0.5)):
+        lm = lms[name]
+        records = _read_records(lm.records_file)
+        _check_records(records, press, ratio)
+        assert lm.n_compactions == sum(EXPECTED_DOCS.values()) and lm.n_without_document == 0
+    for r in _read_records(lms["ratio1"].records_file):  # ratio 1: every position kept, beta = 0
+        assert r["realised_ratio"] == 1.0 and r["method"] == "arckv-ha"
+    for r in _read_records(lms["snapkv"].records_file):  # SnapKV compresses the whole prefill
+        assert r["realised_ratio"] == pytest.approx(0.5, abs=0.02)
+        assert r["cache_bytes"] < 0.52 * r["full_cache_bytes"]
+
+
+@pytest.mark.model
+def test_document_span_on_real_prompts(inprocess_runs):
+    _, lms = inprocess_runs
+    lm = lms["snapkv"]
+    doc = "Alpha beta 12345.\n\nGamma delta, epsilon."
+    for text in (
+        "Instruction.\n\n<document>\n" + doc + "\n</document>\n\nQuestion: what?",
+        lm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Read:\n<document>\n" + doc + "\n</document>\nQ?"}], tokenize=False,
+            add_generation_prompt=True,
+        ),
+    ):
+        ids = lm.tok_encode(text)
+        t0, t1 = lm._span(text, ids)
+        assert lm.tokenizer.decode(ids[t0:t1]) == doc
+        assert lm.tokenizer.decode(ids[:t0]).endswith("<document>\n")
+        assert lm.tokenizer.decode(ids[t1:]).startswith("\n</document>\n")
+
+
+@pytest.mark.model
+def test_stock_cli_run_with_pth_registration(cli_run, inprocess_runs):
+    proc, out = cli_run
+    stdout, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stdout[-4000:]
+    (results_file,) = out.rglob("results_*.json")
+    results = json.loads(results_file.read_text())["results"]
+    assert set(TASKS) <= set(results)
+    assert 0.0 <= results["quality"]["acc,none"] <= 1.0
+    (records_file,) = out.glob("arckv_compaction_HuggingFaceTB__SmolLM2-135M-Instruct_arckv-ha_0.5.jsonl")
+    records = _read_records(records_file)
+    _check_records(records, "arckv-ha", 0.5)
+    for r in records:  # the document is compacted, the instruction before it is kept verbatim
+        assert r["method"] == "arckv-ha" and r["prefix_tokens"] > 0
+        assert r["realised_ratio"] == pytest.approx(0.5, abs=0.02)
+        assert r["compacted_bytes"] < 0.6 * r["compacted_full_bytes"]
+        assert r["cache_bytes"] < r["full_cache_bytes"]
