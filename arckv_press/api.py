@@ -57,6 +57,9 @@ class CompactionConfig:
         min_length: shortest document (tokens) accepted.
         seed: seed of every random choice (reference-row subsampling).
         progress: show tqdm progress bars.
+        on_policy: Attention Matching's option: the reference queries of layer l are recaptured by
+            a repeat-prefill through a cache whose layers below l are already compacted (one
+            repeat-prefill per layer, so about L times the cost); off by default.
     """
 
     method: str = "arckv"
@@ -74,6 +77,7 @@ class CompactionConfig:
     min_length: int = 16
     seed: int = 0
     progress: bool = False
+    on_policy: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -247,13 +251,13 @@ def compact_prefilled(
     timings["prefill"] = time.perf_counter() - t0 if not already_prefilled else 0.0
 
     repeat_store = None
+    framing = framing_for(tokenizer, use_chat_template)
     if config.ratio < 1.0 and repeat_pos.numel():
         t0 = time.perf_counter()
-        framing = framing_for(tokenizer, use_chat_template)
         bar = _progress(config, T, "repeat-prefill")
         repeat_store = repeat_prefill(
-            model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, layers, repeat_pos,
-            config.repeat_chunk, bar,
+            model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids,
+            layers[:1] if config.on_policy else layers, repeat_pos, config.repeat_chunk, bar,
         )
         if bar is not None:
             bar.close()
@@ -273,6 +277,14 @@ def compact_prefilled(
             C_k, beta, C_v = K.reshape(-1, K.shape[-1]), K.new_zeros(H * T, dtype=torch.float32), V.reshape(-1, V.shape[-1])
             lengths = torch.full((H,), T, dtype=torch.long, device=K.device)
         else:
+            if config.on_policy and li > 0 and repeat_pos.numel():
+                t0 = time.perf_counter()
+                enable_compact_attention(model)  # layers below are compact now
+                repeat_store = repeat_prefill(
+                    model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, [layer_idx],
+                    repeat_pos, config.repeat_chunk,
+                )
+                timings["repeat_prefill"] = timings.get("repeat_prefill", 0.0) + time.perf_counter() - t0
             X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H)
             n_rows = Q.shape[1]
             res = compact_layer(

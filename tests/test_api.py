@@ -345,3 +345,17 @@ def test_arckv_without_indexer(tiny_model, tiny_tokenizer):
     with pytest.raises(ValueError, match="indexer="):
         compact_prefilled(model, tok, cache, ids, 3, config)
     assert cache.get_seq_length() == 0
+
+
+def test_on_policy_recaptures_queries_through_compacted_layers(tiny_model, tiny_tokenizer):
+    """AM's on_policy option: layer 0 sees the same queries, deeper layers queries recomputed
+    through the already compacted layers below them (so their caches differ)."""
+    model, tok = tiny_model("llama", num_layers=3), tiny_tokenizer()
+    text = " ".join(["alpha beta gamma delta epsilon"] * 14)
+    with torch.inference_mode():
+        off = compact(model, tok, text, method="am-omp-fast", ratio=0.25)
+        on = compact(model, tok, text, method="am-omp-fast", ratio=0.25, on_policy=True)
+    assert torch.equal(on.layers[0].ck, off.layers[0].ck) and torch.equal(on.layers[0].cv, off.layers[0].cv)
+    assert not torch.equal(on.layers[2].cv, off.layers[2].cv)
+    for layer in on.layers:
+        assert torch.isfinite(layer.cv).all() and layer.num_appended == off.layers[0].num_appended

@@ -670,8 +670,8 @@ def test_budget_weights_favour_heads_whose_error_drops():
 def test_heldout_error_and_error_curves():
     K, V, Qf, Qh, s = _toy(seed=5, T=12, n_fit=40, n_hold=9)
     idx = torch.arange(12).expand(2, 12)
-    err = heldout_error(Qf, Qh, K, V, 0.5, idx, torch.ones(2, 12, dtype=torch.bool))
-    assert err.shape == (2,) and (err < 1e-4).all()  # every key kept: exact reconstruction
+    err = heldout_error(Qf, Qh, K, V, 0.5, idx, torch.ones(2, 12, dtype=torch.bool), FitConfig(ridge_v=0.0))
+    assert err.shape == (2,) and (err < 1e-4).all()  # every key kept, no ridge: exact reconstruction
     # one anchor: compare with a per-head float64 numpy transcription of the hard branch
     top = torch.argmax(s, dim=1, keepdim=True)
     err1 = heldout_error(Qf, Qh, K, V, 0.5, top, torch.ones(2, 1, dtype=torch.bool))
@@ -684,5 +684,6 @@ def test_heldout_error_and_error_curves():
         assert err1[h].item() == pytest.approx(ref, rel=1e-4)
     pools = [ReferencePool(X=torch.randn(8, 6), Q=torch.randn(2, 16, 4) * 2, K=K.float(), V=V.float(),
                            scaling=0.5)]
-    curves = error_curves(lambda pool, rows: s.float(), pools, (0.1, 0.5, 1.0), holdout_fraction=0.25)
+    curves = error_curves(lambda pool, rows: s.float(), pools, (0.1, 0.5, 1.0), holdout_fraction=0.25,
+                          fit_config=FitConfig(ridge_v=0.0))
     assert curves.shape == (2, 3) and (curves[:, -1] < 1e-3).all() and (curves[:, 0] > curves[:, -1]).all()
