@@ -28,7 +28,7 @@ from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, pack_he
 from arckv_press.capture import QueryCapture, framing_for, prefill, repeat_prefill
 from arckv_press.compaction.fit import FitConfig
 from arckv_press.compaction.layer import AM_VARIANTS, ARCKV_SELECTORS, LayerMethod, compact_layer
-from arckv_press.compaction.reference import group_activations, group_queries_by_kv_head, mix_sources
+from arckv_press.compaction.reference import group_activations, group_queries_by_kv_head, mix_sources, subsample_rows
 from arckv_press.compaction.select import POOLINGS, per_head_budgets
 
 __all__ = ["CompactionConfig", "compact", "compact_prefilled", "METHODS", "encode_document", "CompactionReport"]
@@ -163,8 +163,17 @@ def _resolve_indexer(config: CompactionConfig, model):
 
 
 def _reference_positions(T: int, G: int, config: CompactionConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Document positions whose repeat / context queries are captured (``query_budget // G`` in all)."""
+    """Document positions whose repeat / context queries are captured (``query_budget // G`` in all).
+
+    A pure source (``context_fraction`` 0 or 1) never borrows rows from the other one, even when the
+    document has fewer positions than the budget; mixed sources spill over as ``mix_sources`` does.
+    """
     n_pos = max(1, config.query_budget // G)
+    empty = torch.zeros(0, dtype=torch.long)
+    if config.context_fraction == 0.0:
+        return subsample_rows(T, n_pos, config.seed), empty
+    if config.context_fraction == 1.0:
+        return empty, subsample_rows(T, n_pos, config.seed)
     return mix_sources(T, T, config.context_fraction, n_pos, config.seed)
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "SOURCES",
     "evenly_spaced",
     "parse_layers",
+    "layer_subset",
     "disjoint_windows",
     "grouped_rows",
     "gather_slots",
@@ -116,6 +117,24 @@ def parse_layers(spec: str | None, num_layers: int) -> list[int]:
     if bad:
         raise ValueError(f"--layers {spec!r}: layer(s) {sorted(bad)} outside [0, {num_layers})")
     return sorted(out)
+
+
+def layer_subset(spec: str | None, layers: Sequence[int]) -> list[int]:
+    """A subset of the studied ``layers`` (sorted): ``None``/``"all"`` keeps them all, ``"even:k"``
+    takes k evenly spaced entries of the list (:func:`evenly_spaced` over positions), and an
+    explicit list (``"0,5"``, ``"0-3"``) names layer ids that must all be in ``layers``."""
+    layers = sorted(layers)
+    if not layers:
+        raise ValueError("layers is empty")
+    if spec is None or spec.strip().lower() == "all":
+        return layers
+    if spec.strip().startswith("even:"):
+        return [layers[i] for i in parse_layers(spec, len(layers))]
+    chosen = parse_layers(spec, max(layers) + 1)
+    missing = [i for i in chosen if i not in layers]
+    if missing:
+        raise ValueError(f"layer subset {spec!r}: layer(s) {missing} are not among the studied layers {layers}")
+    return chosen
 
 
 def disjoint_windows(n_total: int, length: int, count: int, seed: int = 0) -> list[int]:

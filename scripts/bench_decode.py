@@ -46,9 +46,12 @@ from pathlib import Path
 
 import torch
 
-from arckv_press.runinfo import append_rows, print_header, run_meta
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+from arckv_press.runinfo import append_rows, print_header, run_meta  # noqa: E402
+
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_decode.csv"
 FIELDS = [
     "batch", "context", "ratio", "t_max", "appended", "dtype", "full_ms", "compact_ms", "compact_over_full", "pruned_ms", "compact_over_pruned",

@@ -33,18 +33,23 @@ budgets x ratio).
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
 import datetime as dt  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 

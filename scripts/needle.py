@@ -48,9 +48,12 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
 from arckv_press.runinfo import append_rows, print_header, read_rows, run_meta  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "leaderboards" / "needle.csv"
 DEFAULT_METHODS = (
     "arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha", "snapkv", "kvzip", "expected_attention",
@@ -145,8 +148,8 @@ def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle) ->
         masked = any(getattr(m, "masked_key_indices", None) is not None for m in attention_modules(model))
         nbytes = cache_bytes(cache)
     finally:
-        # The ARC-KV / AM presses leave the model on the ARC-KV attention, whose delegation to SDPA
-        # bypasses kvpress's attention patch (KVzip's masking): switch back after every case.
+        # The ARC-KV / AM presses leave the model on the ARC-KV attention: switch back after every
+        # case so that each case starts from the model's own attention implementation.
         disable_compact_attention(model)
     answer = out["answer"]
     return {

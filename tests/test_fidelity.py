@@ -19,6 +19,7 @@ from arckv_press.fidelity import (
     interpolate_slots,
     join_hotpot_paragraphs,
     join_squad_paragraphs,
+    layer_subset,
     log_key_mass,
     markdown_table,
     mean_sd,
@@ -59,6 +60,16 @@ def test_parse_layers():
         parse_layers("a", 30)
     with pytest.raises(ValueError, match="cannot parse"):
         parse_layers("5-2", 30)
+
+
+def test_layer_subset():
+    studied = [0, 6, 12, 17, 23, 29]
+    assert layer_subset(None, studied) == studied
+    assert layer_subset("even:3", studied) == [0, 12, 29]  # round(2.5) = 2 (half to even)
+    assert layer_subset("even:10", [4, 2]) == [2, 4]
+    assert layer_subset("6,29", studied) == [6, 29]
+    with pytest.raises(ValueError, match="not among the studied"):
+        layer_subset("5", studied)
 
 
 def test_disjoint_windows_are_disjoint_deterministic_and_seeded():

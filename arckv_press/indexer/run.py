@@ -92,11 +92,11 @@ __all__ = [
 
 #: Default hyper-parameters of a CPU run (see module docstring).
 DEFAULTS: dict[str, Any] = dict(
-    kl_epochs=3,
+    kl_epochs=6,
     joint_epochs=3,
-    lr_kl=3e-3,
-    lr_joint=1e-3,
-    kl_max_rows=256,
+    lr_kl=1e-2,
+    lr_joint=3e-3,
+    kl_max_rows=128,
     episode_fractions=(0.3, 0.4, 0.3),
 )
 
@@ -118,7 +118,7 @@ class RunSettings:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(**DEFAULTS))
     indexer: dict[str, Any] = field(default_factory=dict)
     init_seed: int = 0
-    curve_pools: int = 8
+    curve_pools: int = 4
     curve_fractions: tuple[float, ...] = DEFAULT_FRACTIONS
     curve_holdout: float = 0.25
     weight_ratios: tuple[float, ...] = DEFAULT_RATIOS
@@ -183,10 +183,12 @@ def _log(msg: str) -> None:
 
 def train_shard(model: Any, pool_paths: Sequence[str | Path], shard_dir: str | Path,
                 settings: RunSettings = RunSettings(), layers: Sequence[int] | None = None,
-                progress: bool = True) -> list[int]:
+                progress: bool = True, max_epochs: int | None = None) -> list[int]:
     """Train the indexer layers ``layers`` (default: all) on the cached pools and write one
     finished shard per layer (module docstring). Finished layers are skipped; a layer with a
-    resume state continues from its last completed epoch. Returns the layers trained now."""
+    resume state continues from its last completed epoch. ``max_epochs`` stops each layer after
+    that many epochs in this call (time-sliced jobs; the layer stays unfinished with its resume
+    state). Returns the layers finished now."""
     from safetensors.torch import save_file
 
     from arckv_press.models import describe_attention_layout
@@ -216,24 +218,29 @@ def train_shard(model: Any, pool_paths: Sequence[str | Path], shard_dir: str | P
         pools = load_layer_pools(pool_paths, layer)
         indexer = ValueAwareIndexer(cfg, seed=settings.init_seed)
         state_file = layer_state_path(shard_dir, layer)
-        resume = None
+        resume, prior = None, 0.0
         if state_file.is_file():
             saved = torch.load(state_file, weights_only=False)
             if saved.get("fingerprint") != fp:
                 raise ValueError(f"{state_file} belongs to another run (fingerprint "
                                  f"{saved.get('fingerprint')} != {fp}); use another --shard-dir or delete it")
-            resume = saved["state"]
+            resume, prior = saved["state"], float(saved.get("elapsed", 0.0))
             _log(f"layer {layer}: resuming at stage {resume['stage']} epoch {resume['epoch']}")
 
         def on_epoch_end(state: dict[str, Any], layer: int = layer, state_file: Path = state_file) -> None:
-            _atomic_torch_save({"fingerprint": fp, "state": state}, state_file)
+            _atomic_torch_save({"fingerprint": fp, "state": state,
+                                "elapsed": prior + time.perf_counter() - t0}, state_file)
             m = state["metrics"][-1]
             _log(f"layer {layer} {m['stage']} epoch {m['epoch']}: " + ", ".join(
                 f"{k}={v:.4g}" for k, v in m.items() if isinstance(v, float)))
 
         result = train_layer(indexer, layer, pools, settings.train, progress=progress,
-                             resume_state=resume, on_epoch_end=on_epoch_end)
-        t_train = time.perf_counter() - t0
+                             resume_state=resume, on_epoch_end=on_epoch_end, max_epochs=max_epochs)
+        if not result.finished:
+            _log(f"layer {layer}: stopped after {max_epochs} epoch(s); resume state in {state_file.name}")
+            continue
+        t_curves = time.perf_counter()
+        t_train = prior + t_curves - t0
         curve_pools = pools[: settings.curve_pools]
 
         def score_fn(pool: ReferencePool, rows: torch.Tensor) -> torch.Tensor:
@@ -245,7 +252,7 @@ def train_shard(model: Any, pool_paths: Sequence[str | Path], shard_dir: str | P
         tensors = {k: v.detach().contiguous().clone() for k, v in indexer.layer_params(layer).items()}
         tensors["error_curves"] = curves.float().contiguous()
         meta = {"fingerprint": fp, "layer": layer, "metrics": result.metrics, "n_pools": len(pools),
-                "train_seconds": t_train, "curve_seconds": time.perf_counter() - t0 - t_train,
+                "train_seconds": t_train, "curve_seconds": time.perf_counter() - t_curves,
                 "indexer_config": cfg.to_dict(), "threads": torch.get_num_threads()}
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         save_file(tensors, str(tmp), metadata={"arckv_shard": json.dumps(_jsonable(meta))})
@@ -341,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=1800)
     g.add_argument("--dev-fraction", type=float, default=0.1)
     g.add_argument("--data-seed", type=int, default=0)
-    g.add_argument("--max-contexts", type=int, default=30, help="training contexts used (first N of the split)")
+    g.add_argument("--max-contexts", type=int, default=20, help="training contexts used (first N of the split)")
     g.add_argument("--query-budget", type=int, default=1024)
     g.add_argument("--pool-seed", type=int, default=0)
     g.add_argument("--repeat-chunk", type=int, default=2048)
@@ -368,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--n-index-heads", type=int, default=None)
     t.add_argument("--d-index", type=int, default=None)
     t.add_argument("--d-value-attn", type=int, default=None)
-    t.add_argument("--curve-pools", type=int, default=8)
+    t.add_argument("--curve-pools", type=int, default=4)
     t.add_argument("--no-progress", action="store_true")
     return p
 

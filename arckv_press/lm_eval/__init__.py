@@ -29,11 +29,12 @@ Three ways to use it (lm-eval 0.4.13):
        lm = HFArcKV(press="arckv-ha", ratio=0.1, records="records.jsonl")
        results = lm_eval.simple_evaluate(model=lm, tasks=[...], task_manager=...)
 
-Data-parallel evaluation: ``accelerate launch -m lm_eval --model hf-arckv ...`` splits the
-documents over ranks exactly as for ``--model hf`` (each rank compacts only the documents of its
-own requests and writes its own records file, suffixed ``_rank<r>``). Note that lm-eval's
-``HFLM`` only sets up data parallelism when GPUs are present; on CPU each process evaluates
-everything.
+Data-parallel evaluation: ``accelerate launch -m lm_eval --model hf-arckv ...`` (or
+``accelerate launch -m arckv_press.lm_eval.cli ...``) splits the documents over ranks as for
+``--model hf`` on GPUs: each rank compacts only the documents of its own requests and writes its
+own records file, suffixed ``_rank<r>``. lm-eval's ``HFLM`` sets up data parallelism only when
+GPUs are present (on CPU every process would evaluate everything); ``hf-arckv`` also splits over
+CPU processes (``accelerate launch --cpu --num_processes 2 ...``).
 
 Importing this package is cheap (no torch, no lm-eval): the model class is loaded on first use.
 """

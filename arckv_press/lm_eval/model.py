@@ -311,6 +311,10 @@ class HFArcKV(HFLM):
         super().__init__(pretrained=pretrained, device=device, **kwargs)
         if self.backend != "causal":
             raise ValueError("hf-arckv supports decoder-only (causal) models only")
+        accelerator = getattr(self, "accelerator", None)
+        if accelerator is not None and self._world_size == 1 and accelerator.num_processes > 1:
+            # HFLM only splits the data over processes when GPUs are present; do it on CPU too
+            self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
 
         self.press_name = press
         self.ratio = float(ratio)
@@ -438,8 +442,14 @@ class HFArcKV(HFLM):
                     )
             elif self._press is not None:  # kvpress press: compresses the whole prefill
                 method = type(self._press).__name__
-                with self._press(model):
-                    model.model(input_ids=ids, past_key_values=cache)
+                try:
+                    with self._press(model):
+                        model.model(input_ids=ids, past_key_values=cache)
+                except (AssertionError, ValueError, RuntimeError) as exc:
+                    raise ValueError(
+                        f"hf-arckv: press {self.press_name!r} ({method}) failed on a context of {req.doc_end} tokens "
+                        f"({req.doc_start} before the document): {exc}"
+                    ) from exc
                 result = None
                 masked = [getattr(m, "masked_key_indices", None) for m in _attention_modules(model)]
             else:
