@@ -425,3 +425,28 @@ def test_stock_cli_run_with_pth_registration(cli_run, inprocess_runs):
         assert r["realised_ratio"] == pytest.approx(0.5, abs=0.02)
         assert r["compacted_bytes"] < 0.6 * r["compacted_full_bytes"]
         assert r["cache_bytes"] < r["full_cache_bytes"]
+
+
+@pytest.mark.model
+def test_requests_without_document_and_bad_options(inprocess_runs):
+    from lm_eval.api.instance import Instance
+
+    from arckv_press.indexer.checkpoint import default_indexer_path
+    from arckv_press.lm_eval.model import HFArcKV
+    from arckv_press.models import model_id
+
+    _, lms = inprocess_runs
+    lm = lms["snapkv"]
+    before, compactions = lm.n_without_document, lm.n_compactions
+    plain = Instance("loglikelihood", {}, ("No markers here. Answer:", " yes"), 0, ("t", 0, 1))
+    ((logprob, _),) = lm.loglikelihood([plain], disable_tqdm=True)
+    assert logprob < 0 and lm.n_without_document == before + 1 and lm.n_compactions == compactions
+    doc = "Instruction.\n\n<document>\n" + "Some words here. " * 8 + "\n</document>\n\nQ?"
+    sampled = Instance("generate_until", {}, (doc, {"until": ["\n"], "do_sample": True, "temperature": 0.7}), 0, ("t", 0, 1))
+    with pytest.raises(ValueError, match="greedily"):
+        lm.generate_until([sampled], disable_tqdm=True)
+    if default_indexer_path(model_id(lm.model)) is None:
+        with pytest.raises(ValueError, match="press=arckv-ha"):
+            HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv", ratio=0.5)
+    with pytest.raises(ValueError, match="lambda_m"):
+        HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="snapkv", ratio=0.5, lambda_m=0.3)

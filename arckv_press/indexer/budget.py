@@ -26,6 +26,10 @@ weights" (following Scissorhands / AdaKV) without saying how they are obtained. 
    and the shipped weights are the mean over ratios, ``a = mean_rho a^rho`` (one fixed weight
    per pair, as the paper's Eq. (per_head_budget) needs); reshaped to ``[L, H]``.
 
+The running minimum matters in practice: with a fixed number of fit queries the held-out error
+can *rise* again at large budgets (on SmolLM2 with 768 fit rows, ``e(0.4) > e(0.2)`` for most
+layers: ``C_v`` overfits the fit rows), and such budget is never worth allocating.
+
 Averaging over ratios is a compromise: the optimal allocation depends on rho, fixed weights
 cannot follow it exactly; ``scripts/eval_selectors.py`` compares them with uniform budgets on
 development contexts.

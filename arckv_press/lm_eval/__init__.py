@@ -29,12 +29,21 @@ Three ways to use it (lm-eval 0.4.13):
        lm = HFArcKV(press="arckv-ha", ratio=0.1, records="records.jsonl")
        results = lm_eval.simple_evaluate(model=lm, tasks=[...], task_manager=...)
 
-Data-parallel evaluation: ``accelerate launch -m lm_eval --model hf-arckv ...`` (or
-``accelerate launch -m arckv_press.lm_eval.cli ...``) splits the documents over ranks as for
-``--model hf`` on GPUs: each rank compacts only the documents of its own requests and writes its
-own records file, suffixed ``_rank<r>``. lm-eval's ``HFLM`` sets up data parallelism only when
-GPUs are present (on CPU every process would evaluate everything); ``hf-arckv`` also splits over
-CPU processes (``accelerate launch --cpu --num_processes 2 ...``).
+Data-parallel evaluation: ``accelerate launch -m lm_eval --model hf-arckv ...`` on GPUs splits
+the documents over ranks as for ``--model hf``: each rank compacts only the documents of its own
+requests and writes its own records file, suffixed ``_rank<r>``. lm-eval's ``HFLM`` sets up data
+parallelism only when GPUs are present; ``hf-arckv`` also does it over CPU processes. On CPU
+(checked with two processes) launch with torchrun, because ``accelerate launch --cpu
+--num_processes 2`` starts a single process without an MPI setup::
+
+    ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m lm_eval --model hf-arckv ...
+
+(``-m arckv_press.lm_eval.cli`` works the same when the ``.pth`` hook is not installed.)
+
+Results folder: lm-eval names ``<output_path>/<model name>/`` after ``pretrained=`` in
+``--model_args``; without it (the default model) the name is random, so pass
+``pretrained=<folder>`` (the converted default model folder works) for a stable name. The records
+file goes directly into ``<output_path>``.
 
 Importing this package is cheap (no torch, no lm-eval): the model class is loaded on first use.
 """

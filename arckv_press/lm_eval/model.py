@@ -36,17 +36,34 @@ Batching: requests that hit a document are evaluated one at a time (batch size 1
 that requests sharing a document are adjacent; ``--batch_size`` still applies to requests
 without a document. Generation is greedy only (``do_sample=True`` raises ``ValueError``).
 
-Per-document records (one JSON line per compaction: seconds, cache bytes of the compacted span
-vs the full cache, realised ratio, token counts, method, ratio) go to ``records=<path>``, else to
+Per-document records: one JSON line per compaction, written to ``records=<path>``, else to
 ``<output_path>/arckv_compaction_<model>_<press>_<ratio>.jsonl`` when running under the lm-eval
-CLI with ``--output_path`` (``_rank<r>`` is appended under data parallelism); nothing is written
-otherwise.
+CLI with ``--output_path`` (read from the command line; ``_rank<r>`` is appended under data
+parallelism); nothing is written otherwise. Fields:
+
+- ``model``, ``press``, ``method`` (resolved method or kvpress class), ``ratio`` (requested kept
+  fraction), ``rank``, ``document_index`` (order of compaction), ``document_sha1`` (of the
+  prefilled token ids);
+- ``prefix_tokens`` (before the document), ``document_tokens``, ``context_tokens`` (their sum:
+  the prefilled length);
+- ``compaction_seconds``: wall time of the prefill plus the compaction (``timings``: per stage,
+  our presses only);
+- ``cache_bytes`` / ``full_cache_bytes``: bytes held by the whole cache after compaction vs an
+  uncompressed cache of the same tokens; ``compacted_bytes`` / ``compacted_full_bytes``: the same
+  for the compacted span only (our presses: the document in the compacted layers, ``C_k``,
+  ``C_v`` and the float32 ``beta``; kvpress presses: the whole prefill);
+- ``realised_ratio``: kept entries over original entries of the compacted span (layers x KV
+  heads);
+- ``compacted`` (false for ``none`` and for documents shorter than the press's ``min_length``,
+  which keep the full cache; ``note`` says why), ``requests`` and ``tasks``: the requests served
+  by the group of requests that triggered the compaction.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 import logging
 import math
 import os
@@ -238,16 +255,21 @@ class _DocEntry:
 
 @dataclass
 class _DocRequest:
-    """A request reduced to token ids with its document span (positions in ``ids``)."""
+    """A request reduced to token ids with its document span (positions in ``ids``).
+
+    ``key`` identifies the prefilled context: the document start and a sha1 digest of the token
+    ids ``ids[:doc_end]``.
+    """
 
     index: int
     ids: list[int]
     doc_start: int
     doc_end: int
+    key: tuple = field(init=False)
 
-    @property
-    def key(self) -> tuple:
-        return (self.doc_start, tuple(self.ids[: self.doc_end]))
+    def __post_init__(self) -> None:
+        digest = hashlib.sha1(array("q", self.ids[: self.doc_end]).tobytes()).hexdigest()
+        self.key = (self.doc_start, self.doc_end, digest)
 
 
 # --------------------------------------------------------------------------- the model
@@ -333,7 +355,7 @@ class HFArcKV(HFLM):
         from arckv_press.models import model_id
         from arckv_press.registry import make_press
 
-        if self.family == "arckv" or self.family == "am":
+        if self.family in OUR_FAMILIES:
             options.setdefault("tokenizer", self.tokenizer)
         if self.press_name == "arckv" and "indexer" not in options and self.ratio < 1.0:
             from arckv_press.indexer.checkpoint import default_indexer_path
@@ -415,7 +437,7 @@ class HFArcKV(HFLM):
             "press": self.press_name,
             "ratio": self.ratio,
             "document_index": self._n_compactions,
-            "document_sha1": hashlib.sha1(json.dumps([req.doc_start, req.ids[: req.doc_end]]).encode()).hexdigest(),
+            "document_sha1": req.key[2],
             "prefix_tokens": req.doc_start,
             "document_tokens": n_doc,
             "context_tokens": req.doc_end,
