@@ -180,7 +180,14 @@ class CompactLayer(CacheLayerMixin):
         pass  # always initialised
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Transient padded copies ``C_k [H, t_max, D]``, ``beta [H, t_max]`` (-inf pad), ``C_v``."""
+        """Padded ``C_k [H, t_max, D]``, ``beta [H, t_max]`` (-inf pad), ``C_v``.
+
+        Views without a copy when every head holds the same number of entries (uniform budgets);
+        transient padded copies otherwise.
+        """
+        if bool((self.lengths == self.lengths[0]).all()):
+            H, t = self.num_heads, int(self.lengths[0])
+            return self.ck.view(H, t, -1), self.beta.view(H, t), self.cv.view(H, t, -1)
         ck = unpack_heads(self.ck, self.lengths)
         cv = unpack_heads(self.cv, self.lengths)
         beta = unpack_heads(self.beta, self.lengths, fill=-math.inf)
@@ -196,7 +203,7 @@ class CompactLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: new keys {tuple(key_states.shape)} do not match the compact cache "
                 f"({self.num_heads} KV heads, head_dim {self.head_dim})"
             )
-        if self.num_appended == 0 or self.batch_size == B:
+        if self.batch_size == B:
             base_k, base_v = self._new_k, self._new_v
         elif self.batch_size == 1:  # first use with a batch: every row shares the same context
             base_k, base_v = self._new_k.expand(B, -1, -1, -1), self._new_v.expand(B, -1, -1, -1)

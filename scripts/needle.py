@@ -292,17 +292,19 @@ def plot(csv_path: Path, out_dir: Path) -> list[Path]:
 
 
 def summary(csv_path: Path) -> None:
+    """Accuracy, median compaction seconds and median cache MiB per method, kept fraction and length."""
     rows = read_rows(csv_path)
     by: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        by[(r["method"], float(r["ratio"]))].append(r)
-    print(f"\n{'method':<20}{'rho':>6}{'cases':>7}{'accuracy':>10}{'median s':>10}{'MiB (med)':>11}")
-    for (method, ratio), rs in sorted(by.items(), key=lambda kv: (-kv[0][1], kv[0][0])):
+        by[(r["method"], float(r["ratio"]), int(r["length"]))].append(r)
+    print(f"\n{'method':<20}{'rho':>6}{'length':>8}{'cases':>7}{'accuracy':>10}{'median s':>10}{'MiB (med)':>11}")
+    for (method, ratio, length), rs in sorted(by.items(), key=lambda kv: (-kv[0][1], kv[0][0], kv[0][2])):
         secs = sorted(float(r["compaction_s"]) for r in rs)
         mib = sorted(int(r["cache_bytes"]) / 2**20 for r in rs)
         note = "  masked: holds the full cache" if any(r["masked"] == "1" for r in rs) else ""
-        print(f"{method:<20}{ratio:>6g}{len(rs):>7}{sum(int(r['correct']) for r in rs) / len(rs):>10.2f}"
+        print(f"{method:<20}{ratio:>6g}{length:>8}{len(rs):>7}{sum(int(r['correct']) for r in rs) / len(rs):>10.2f}"
               f"{secs[len(secs) // 2]:>10.1f}{mib[len(mib) // 2]:>11.2f}{note}")
+    print("(seconds: prefill + compression inside `with press(model)`; for none the prefill alone)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -268,3 +268,16 @@ def test_default_attention_rejects_compact_working_copy(tiny_model):
         cache = identity_cache(dyn)
         with pytest.raises(RuntimeError):
             model(torch.randint(0, 128, (1, 3)), past_key_values=cache)
+
+
+def test_batch_before_any_appended_row():
+    """A compact layer without ordinary rows accepts a batch: every row shares the context."""
+    layer = random_layer(lengths=(4, 4), span=8, n_fixed=0)
+    ref_layer = random_layer(lengths=(4, 4), span=8, n_fixed=0)
+    g = torch.Generator().manual_seed(6)
+    k, v, q = torch.randn(3, 2, 2, 16, generator=g), torch.randn(3, 2, 2, 16, generator=g), torch.randn(3, 4, 2, 16, generator=g)
+    keys, values = layer.update(k, v)
+    out, _ = compact_attention_forward(None, q, keys, values, None, scaling=0.25)
+    kb, vb = ref_layer.update(k[1:2], v[1:2])
+    ob, _ = compact_attention_forward(None, q[1:2], kb, vb, None, scaling=0.25)
+    torch.testing.assert_close(out[1:2], ob)
