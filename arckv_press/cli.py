@@ -2,6 +2,7 @@
 
 - ``arckv compact FILE --method arckv-ha --ratio 0.1 -o FILE.arckv``
 - ``arckv ask FILE.arckv "question" ["question" ...]``
+- ``arckv train-indexer [...]`` (same arguments as ``scripts/train_indexer.py``)
 - ``arckv demo`` (the README's main job: a needle in a haystack, answered with the full cache and
   with each compaction method, with cache sizes and times)
 """
@@ -137,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--answer-prefix", default="")
     p.set_defaults(func=cmd_ask)
 
+    p = sub.add_parser("train-indexer", help="train the value-aware indexer (arguments: see --help of the subcommand)",
+                       add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
     p = sub.add_parser("demo", help="needle-in-a-haystack with the full cache and each method")
     p.add_argument("--tokens", type=int, default=2000)
     p.add_argument("--depth", type=float, default=0.5)
@@ -150,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train-indexer"]:  # its own parser (scripts/train_indexer.py's arguments)
+        from arckv_press.indexer.run import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     try:

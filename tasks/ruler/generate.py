@@ -285,7 +285,9 @@ def _read_squad(root: Path | None) -> QAData:
         articles = _hub_squad_articles()
     else:
         articles = []
-        for path in _json_files(root, "squad"):
+        # the answer-less test half (*noanswers*) is the value-aware indexer's training text:
+        # keep it out of every evaluation context
+        for path in [p for p in _json_files(root, "squad") if "noanswers" not in p.name]:
             with open(path, encoding="utf-8") as f:
                 articles.extend(json.load(f)["data"])
     docs = sorted({p["context"] for a in articles for p in a["paragraphs"]})
