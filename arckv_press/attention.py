@@ -60,15 +60,13 @@ def compact_attention_forward(
     if n_new < n:
         raise ValueError(f"compact attention got {n} queries but only {n_new} ordinary rows")
 
-    q = query.float().reshape(B, Hkv, G * n, D)  # rows of KV head h: its G query heads, n tokens each
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scaling + bias[:, :, None, :]
-    logits = logits.view(B, Hkv, G, n, L)
-
-    # Ordinary rows: causal (+ padding) from the model's mask, or bottom-right causal.
-    new_part = logits[..., L - n_new :]
+    # Additive float32 mask [B, Hq, n, L]: beta on every row (-inf pads short heads; 0 on ordinary
+    # rows), plus causal/padding on the ordinary rows. Then torch's SDPA kernel (the same kernel the
+    # model's own path uses, so an uncompacted cache reproduces it to float rounding).
+    mask = bias[:, :, None, None, :].expand(B, Hkv, G, n, L).reshape(B, Hq, n, L).clone()
+    new_part = mask[..., L - n_new :]
     if attention_mask is not None:
         m = attention_mask[..., -n_new:]  # [B, 1, n, n_new]
-        m = m.reshape(m.shape[0], 1, 1, n, n_new)
         if m.dtype == torch.bool:
             new_part.masked_fill_(~m, float("-inf"))
         else:
@@ -77,12 +75,11 @@ def compact_attention_forward(
         i = torch.arange(n, device=query.device)[:, None]
         j = torch.arange(n_new, device=query.device)[None, :]
         new_part.masked_fill_(j > i + (n_new - n), float("-inf"))
-
-    probs = torch.softmax(logits, dim=-1)
-    if dropout > 0.0 and module.training:
-        probs = torch.nn.functional.dropout(probs, p=dropout)
-    out = torch.matmul(probs.view(B, Hkv, G * n, L), value.float())  # [B, Hkv, G*n, D]
-    out = out.view(B, Hq, n, D).to(query.dtype)
+    training = dropout > 0.0 and module is not None and module.training
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), k, value.float(), attn_mask=mask, dropout_p=dropout if training else 0.0, scale=scaling,
+        enable_gqa=True,
+    ).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-__all__ = ["CompactLayer", "CompactCache", "pack_heads", "unpack_heads"]
+__all__ = ["CompactLayer", "CompactCache", "cache_nbytes", "pack_heads", "unpack_heads"]
 
 _FORMAT_VERSION = 1
 
@@ -312,6 +312,18 @@ class CompactLayer(CacheLayerMixin):
         )
 
 
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes really held by any transformers cache: packed entries of compact layers, keys and
+    values of ordinary layers (kvpress's masked caches therefore count at full size)."""
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, CompactLayer):
+            total += layer.nbytes()
+        elif layer.is_initialized and layer.keys is not None:
+            total += layer.keys.nbytes + layer.values.nbytes
+    return total
+
+
 @dataclass
 class CacheMetadata:
     """What a saved compact cache records about how it was built."""
@@ -348,13 +360,7 @@ class CompactCache(Cache):
 
     def nbytes(self) -> int:
         """All bytes held (compacted entries, ordinary rows and uncompacted layers)."""
-        total = 0
-        for layer in self.layers:
-            if isinstance(layer, CompactLayer):
-                total += layer.nbytes()
-            elif layer.is_initialized and layer.keys is not None:
-                total += layer.keys.nbytes + layer.values.nbytes
-        return total
+        return cache_nbytes(self)
 
     def realised_ratio(self) -> float:
         """Kept entries over original entries, over compacted layers and heads."""

@@ -68,6 +68,7 @@ def cmd_demo(args) -> int:
     from kvpress import KVPressTextGenerationPipeline  # noqa: F401  (registers the pipeline)
     from transformers import DynamicCache, pipeline
 
+    from arckv_press.cache import cache_nbytes
     from arckv_press.haystack import load_haystack, make_needle, needle_context
     from arckv_press.registry import make_press
 
@@ -97,22 +98,10 @@ def cmd_demo(args) -> int:
             print(f"{name:<20}{'-':>6}{'-':>11}{'-':>9}  skipped: {err}")
             continue
         seconds = time.perf_counter() - t0
-        mib = _cache_bytes(cache) / 2**20
+        mib = cache_nbytes(cache) / 2**20
         ok = "OK " if needle.value in out["answer"] else "-- "
         print(f"{name:<20}{ratio:>6.2f}{mib:>11.2f}{seconds:>9.1f}  {ok}{out['answer'].strip()!r}")
     return 0
-
-
-def _cache_bytes(cache) -> int:
-    from arckv_press.cache import CompactLayer
-
-    total = 0
-    for layer in cache.layers:
-        if isinstance(layer, CompactLayer):
-            total += layer.nbytes()
-        elif layer.is_initialized:
-            total += layer.keys.nbytes + layer.values.nbytes
-    return total
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -106,3 +106,14 @@ def append_rows(path: str | Path, rows: list[dict], fieldnames: list[str]) -> No
             writer.writeheader()
         writer.writerows(rows)
         f.flush()
+
+
+def parse_length(text: str) -> int:
+    """A context length for a CLI: ``"2K"``/``"2k"`` -> 2000 tokens (K = 1000), ``"1500"`` -> 1500."""
+    import argparse
+
+    text = text.strip().lower()
+    value = float(text[:-1]) * 1000 if text.endswith("k") else float(text)
+    if value < 64 or value != int(value):
+        raise argparse.ArgumentTypeError(f"context length must be a whole number of tokens >= 64, got {text!r}")
+    return int(value)

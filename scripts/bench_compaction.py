@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, print_header, run_meta  # noqa: E402
+from arckv_press.runinfo import append_rows, parse_length, print_header, run_meta  # noqa: E402
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_compaction.csv"
 COMPACTION_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha")
@@ -57,13 +57,6 @@ FIELDS = ["section", "method", "ratio", "length", "stage", "seconds", "repeats",
           "command", "date", "package_version", "machine"]
 
 
-def parse_length(text: str) -> int:
-    """``"2K"`` -> 2000 tokens (K = 1000, as in scripts/needle.py), ``"1500"`` -> 1500."""
-    text = text.strip().lower()
-    value = float(text[:-1]) * 1000 if text.endswith("k") else float(text)
-    if value < 64 or value != int(value):
-        raise argparse.ArgumentTypeError(f"context length must be a whole number of tokens >= 64, got {text!r}")
-    return int(value)
 
 
 def median_stages(runs: list[dict[str, float]]) -> dict[str, float]:

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, print_header, read_rows, run_meta  # noqa: E402
+from arckv_press.runinfo import append_rows, parse_length, print_header, read_rows, run_meta  # noqa: E402
 
 DEFAULT_OUT = ROOT / "leaderboards" / "needle.csv"
 DEFAULT_METHODS = (
@@ -67,13 +67,6 @@ FIELDS = [
 ]
 
 
-def parse_length(text: str) -> int:
-    """``"2K"``/``"2k"`` -> 2000, ``"1500"`` -> 1500 (K = 1000 tokens)."""
-    text = text.strip().lower()
-    value = float(text[:-1]) * 1000 if text.endswith("k") else float(text)
-    if value < 64 or value != int(value):
-        raise argparse.ArgumentTypeError(f"context length must be a whole number of tokens >= 64, got {text!r}")
-    return int(value)
 
 
 def parse_unit(text: str) -> float:
@@ -106,15 +99,9 @@ class TimedPress:
 
 
 def cache_bytes(cache) -> int:
-    from arckv_press.cache import CompactLayer
+    from arckv_press.cache import cache_nbytes
 
-    total = 0
-    for layer in cache.layers:
-        if isinstance(layer, CompactLayer):
-            total += layer.nbytes()
-        elif layer.is_initialized and layer.keys is not None:
-            total += layer.keys.nbytes + layer.values.nbytes
-    return total
+    return cache_nbytes(cache)
 
 
 def attention_modules(model):

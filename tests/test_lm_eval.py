@@ -166,6 +166,9 @@ def test_pth_hook_registers_lazily_and_imports_nothing_heavy(tmp_path):
     assert (tmp_path / f"{_build.HOOK_MODULE}.py").read_text() == Path(_pth_hook.__file__).read_text()
     code = f"""
 import site, sys
+# an installed copy of the hook may already have run at start-up: undo it so this test sees one run
+sys.modules.pop({_build.HOOK_MODULE!r}, None)
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "RegistryImportHook"]
 before = set(sys.modules)
 site.addsitedir({str(tmp_path)!r})
 new = sorted(set(sys.modules) - before)
@@ -180,7 +183,9 @@ print("hf" in r.model_registry, "torch" in sys.modules)
     assert out == ["arckv_press.lm_eval.model:HFArcKV", "True", "False"]
     # opt-out
     out = _run_python(
-        f"import site, sys; site.addsitedir({str(tmp_path)!r}); import lm_eval.api.registry as r; "
+        f"import site, sys; sys.modules.pop({_build.HOOK_MODULE!r}, None); "
+        "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != 'RegistryImportHook']; "
+        f"site.addsitedir({str(tmp_path)!r}); import lm_eval.api.registry as r; "
         "print('hf-arckv' in r.model_registry)",
         env={"ARCKV_LM_EVAL_NO_HOOK": "1"},
     )
