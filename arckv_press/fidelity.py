@@ -334,7 +334,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
 
 
 # --------------------------------------------------------------------------------------
-# data sources (real contexts from /work/shared/data)
+# data sources (real contexts from ../shared/data beside the repository)
 # --------------------------------------------------------------------------------------
 
 

@@ -123,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of article choice, positions and split (default 0)")
     p.add_argument("--quick", action="store_true", help="2 articles, 6 evenly spaced layers")
     p.add_argument("--source", choices=sorted(SOURCES), default="pg", help="context source (default pg essays)")
-    p.add_argument("--data-dir", default="/work/shared/data", help="root of the shared data")
+    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"), help="root of the shared data (default: ../shared/data beside the repository)")
     p.add_argument("--rows", type=int, default=1024,
                    help="reference rows per KV head in EACH split (fit, held-out); default 1024")
     p.add_argument("--lambdas", default="0,0.2,0.3,0.4,0.5,0.6,0.7,1.0", help="lambda_m sweep (Table 4)")

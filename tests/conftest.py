@@ -146,3 +146,13 @@ def build_tiny_tokenizer(chat_template: bool = True) -> Any:
 def tiny_tokenizer() -> Callable[..., Any]:
     """Factory: ``tiny_tokenizer(chat_template=True)`` -> a fresh character-level tokenizer."""
     return build_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of tiny-tensor tests: with 2 threads on a loaded 2-core
+    machine torch spins and runs them up to ~100x slower. Restored after the module."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

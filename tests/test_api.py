@@ -25,17 +25,10 @@ from arckv_press.compaction.layer import LayerMethod, compact_layer
 from arckv_press.compaction.reference import group_queries_by_kv_head
 from arckv_press.models import describe_attention_layout
 
-PG_ESSAYS = Path("/work/shared/data/ruler/pg_essays.txt")
+PG_ESSAYS = Path(__file__).resolve().parents[2] / "shared" / "data" / "ruler" / "pg_essays.txt"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny tensors: with 2 intra-op threads on a loaded 2-core machine torch spins and runs these
-    tests up to ~100x slower; restored after the module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_text(n_chars: int, seed: int = 0) -> str:

@@ -37,14 +37,7 @@ from arckv_press.models import describe_attention_layout
 _PROBE = "arckv_test_probe"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny tensors: with 2 intra-op threads on a loaded 2-core machine torch spins and runs these
-    tests up to ~100x slower; restored after the module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 _PROBE_LOG: dict = {}
 
 

@@ -20,12 +20,7 @@ DATA_DIR = D.default_data_dir()
 HAVE_DATA = (DATA_DIR / D.SQUAD_TRAIN_FILE).is_file()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class WordTokenizer:
