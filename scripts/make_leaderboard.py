@@ -1,0 +1,438 @@
+"""Turn evaluation outputs into ``leaderboards/leaderboard.csv`` and PNG plots.
+
+Inputs (all optional; glob patterns, repeatable):
+
+- ``--results``: lm-eval 0.4.13 ``results_*.json`` files (``--output_path``): ``results``
+  ``{task: {"<metric>,<filter>": value}}``, ``config`` ``{model, model_args}``, ``n-samples``,
+  ``group_subtasks``, ``date`` (unix seconds). ``--model hf`` runs are method ``none`` at ratio 1;
+  ``--model hf-arckv`` runs take ``press`` / ``ratio`` from ``model_args``.
+- ``--nocontext-results``: lm-eval results of the same tasks run without the document; they become
+  rows of method ``no-context`` (ratio 0) and fill the ``nocontext_score`` column.
+- ``--records``: the per-document compaction records of ``hf-arckv``
+  (``arckv_compaction_<model>_<press>_<ratio>.jsonl``, fields ``model``, ``press``, ``ratio``,
+  ``compaction_seconds``, ``cache_bytes``, ``full_cache_bytes``, ``realised_ratio``, ``tasks``).
+  They are matched to results by (model name, press, ratio) and, when they list ``tasks``, by task;
+  the leaderboard holds their means.
+- ``--needle`` (default ``<out-dir>/needle.csv``): ``scripts/needle.py`` rows become benchmark
+  ``needle`` rows (score = fraction correct).
+- ``--probes`` (default ``<out-dir>/probes.csv``): plotted only (damage and needle fraction per
+  config).
+
+Output ``<out-dir>/leaderboard.csv``: one row per (model, benchmark, task, method, ratio). A rerun
+merges with the existing file (same key: the row with the newer ``date`` wins, ties go to the new
+row); nothing is recomputed from the old rows except the ``full_score`` / ``nocontext_score``
+columns, which are looked up in the merged table. Plots: ``<benchmark>_score_vs_ratio.png``,
+``<benchmark>_score_vs_time.png`` and ``probes.png``.
+
+Usage: ``python scripts/make_leaderboard.py --results 'runs/**/results_*.json'
+--records 'runs/**/arckv_compaction_*.jsonl'``
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import glob
+import json
+import re
+import shlex
+import sys
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+from typing import Any, Iterable
+
+REPO = Path(__file__).resolve().parents[1]
+
+FIELDS = [
+    "model", "benchmark", "task", "method", "ratio", "score", "metric", "full_score", "nocontext_score",
+    "compaction_seconds", "cache_bytes", "full_cache_bytes", "realised_ratio", "n_examples",
+    "n_records", "model_args", "source", "date", "package_version", "command",
+]
+KEY = ("model", "benchmark", "task", "method", "ratio")
+RULER_TASKS = {
+    "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+    "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2", "ruler",
+}
+METRIC_PRIORITY = ("acc", "exact_match", "score", "acc_norm", "contains")
+
+
+# ---------------------------------------------------------------------------- helpers
+def package_version() -> str:
+    """``arckv_press.__version__`` read from the source (no torch import)."""
+    text = (REPO / "arckv_press" / "__init__.py").read_text(encoding="utf-8")
+    match = re.search(r'^__version__\s*=\s*["\']([^"\']+)["\']', text, re.M)
+    return match.group(1) if match else "unknown"
+
+
+def expand(patterns: Iterable[str] | None) -> list[Path]:
+    """Sorted unique files matching the glob patterns (``**`` allowed); a pattern matching nothing is an error."""
+    files: set[Path] = set()
+    for pattern in patterns or []:
+        hits = glob.glob(pattern, recursive=True)
+        if not hits:
+            raise ValueError(f"no file matches {pattern!r}")
+        files.update(Path(h) for h in hits)
+    return sorted(files)
+
+
+def fmt_ratio(ratio: float) -> str:
+    return f"{float(ratio):g}"
+
+
+def short_model(name: str) -> str:
+    """Model name without organisation/path, lower case: how results and records are matched."""
+    return re.split(r"[/\\]", str(name).rstrip("/"))[-1].lower()
+
+
+def parse_model_args(args: Any) -> dict[str, str]:
+    """lm-eval ``model_args``: a ``k=v,k=v`` string or a dict."""
+    if isinstance(args, dict):
+        return {str(k): str(v) for k, v in args.items()}
+    out: dict[str, str] = {}
+    for part in str(args or "").split(","):
+        if "=" in part:
+            key, value = part.split("=", 1)
+            out[key.strip()] = value.strip()
+    return out
+
+
+def iso_date(value: Any) -> str:
+    """lm-eval's ``date`` (unix seconds) or a date string -> ``YYYY-MM-DDTHH:MM:SSZ``."""
+    if isinstance(value, (int, float)):
+        return dt.datetime.fromtimestamp(float(value), dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return str(value or "")
+
+
+def benchmark_of(task: str, groups: dict[str, list[str]]) -> str:
+    """Benchmark of a task: its lm-eval group, else a name rule (``longbench_*``, ``quality*``, RULER)."""
+    for group, subtasks in groups.items():
+        if task == group or task in subtasks:
+            return group
+    if task.startswith("longbench"):
+        return "longbench"
+    if task.startswith("quality"):
+        return "quality"
+    if task in RULER_TASKS:
+        return "ruler"
+    return task
+
+
+def pick_metric(values: dict[str, Any]) -> tuple[str, float] | None:
+    """The main ``metric,filter`` of a task's results (priority list, else the first numeric one)."""
+    numeric = {
+        k: float(v) for k, v in values.items()
+        if "," in k and "_stderr" not in k and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    if not numeric:
+        return None
+    for name in METRIC_PRIORITY:
+        for key in numeric:
+            if key.split(",", 1)[0] == name:
+                return key, numeric[key]
+    key = next(iter(numeric))
+    return key, numeric[key]
+
+
+# ---------------------------------------------------------------------------- readers
+def read_records(files: list[Path]) -> dict[tuple[str, str, str], list[dict]]:
+    """Compaction records grouped by (short model, press, ratio)."""
+    out: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+    for path in files:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not a JSON line ({exc})") from exc
+            for field in ("model", "press", "ratio"):
+                if field not in rec:
+                    raise ValueError(f"{path}:{n}: record lacks {field!r}")
+            out[(short_model(rec["model"]), str(rec["press"]), fmt_ratio(rec["ratio"]))].append(rec)
+    return out
+
+
+def _mean(records: list[dict], field: str) -> float | str:
+    vals = [float(r[field]) for r in records if isinstance(r.get(field), (int, float))]
+    return mean(vals) if vals else ""
+
+
+def record_stats(records: list[dict], task: str, is_group: bool = False) -> dict[str, Any]:
+    """Means of the records serving ``task`` (records without ``tasks`` serve every task; a group
+    row with no record naming it gets all records of the run)."""
+    served = [r for r in records if "tasks" not in r or task in (r.get("tasks") or [])]
+    records = served or (records if is_group else [])
+    if not records:
+        return {"n_records": 0}
+    return {
+        "compaction_seconds": _mean(records, "compaction_seconds"),
+        "cache_bytes": _mean(records, "cache_bytes"),
+        "full_cache_bytes": _mean(records, "full_cache_bytes"),
+        "realised_ratio": _mean(records, "realised_ratio"),
+        "n_records": len(records),
+    }
+
+
+def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, str]) -> list[dict]:
+    """Rows of one lm-eval results JSON."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or "results" not in data:
+        raise ValueError(f"{path}: not an lm-eval results file (no 'results')")
+    config = data.get("config") or {}
+    args = parse_model_args(config.get("model_args"))
+    model = args.get("pretrained") or data.get("model_name") or str(config.get("model", "unknown"))
+    if nocontext:
+        method, ratio = "no-context", "0"
+    elif config.get("model") == "hf-arckv":
+        method = args.get("press", "arckv")
+        ratio = "1" if method == "none" else fmt_ratio(float(args.get("ratio", 0.1)))
+    else:
+        method, ratio = "none", "1"
+    groups = data.get("group_subtasks") or {}
+    n_samples = data.get("n-samples") or {}
+    recs = records.get((short_model(model), method, ratio)) or (
+        records.get((short_model(model), method, fmt_ratio(args.get("ratio", 0.1)))) if method == "none" else None
+    ) or []
+    rows = []
+    for task, values in sorted(data["results"].items()):
+        picked = pick_metric(values)
+        if picked is None:
+            continue
+        metric, score = picked
+        n = n_samples.get(task, {})
+        row = {
+            "model": model, "benchmark": benchmark_of(task, groups), "task": task, "method": method,
+            "ratio": ratio, "score": score, "metric": metric,
+            "n_examples": n.get("effective", n.get("original", "")) if isinstance(n, dict) else n,
+            "model_args": config.get("model_args") if isinstance(config.get("model_args"), str)
+            else json.dumps(config.get("model_args"), sort_keys=True),
+            "source": str(path), "date": iso_date(data.get("date")), **common,
+        }
+        if recs:
+            row.update(record_stats(recs, task, task in groups))
+        rows.append(row)
+    return rows
+
+
+def read_needle(path: Path, common: dict[str, str]) -> list[dict]:
+    """``scripts/needle.py`` CSV -> one row per (model, method, ratio): fraction correct."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    with open(path, newline="", encoding="utf-8") as f:
+        for r in csv.DictReader(f):
+            groups[(r["model"], r["method"], fmt_ratio(r["ratio"]))].append(r)
+    rows = []
+    for (model, method, ratio), rs in sorted(groups.items()):
+        rows.append({
+            "model": model, "benchmark": "needle", "task": "needle", "method": method, "ratio": ratio,
+            "score": mean(float(r["correct"]) for r in rs), "metric": "correct",
+            "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
+            "cache_bytes": mean(float(r["cache_bytes"]) for r in rs),
+            "n_examples": len(rs), "n_records": len(rs), "source": str(path),
+            "date": max(r["date"] for r in rs), **common,
+            "package_version": rs[0].get("package_version", common["package_version"]),
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------------- table
+def key_of(row: dict) -> tuple[str, ...]:
+    return tuple(str(row[k]) if k != "ratio" else fmt_ratio(row[k]) for k in KEY)
+
+
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """Union by key; for a repeated key the newer ``date`` wins (ties: the later row)."""
+    table: dict[tuple, dict] = {}
+    for row in [*old, *new]:
+        k = key_of(row)
+        if k not in table or str(row.get("date", "")) >= str(table[k].get("date", "")):
+            table[k] = row
+    return [table[k] for k in sorted(table, key=lambda k: (*k[:4], float(k[4])))]
+
+
+def fill_references(rows: list[dict]) -> None:
+    """``full_score`` / ``nocontext_score``: method ``none`` / ``no-context`` of the same model and task."""
+    ref = {(r["model"], r["benchmark"], r["task"], r["method"]): r["score"] for r in rows}
+    for r in rows:
+        r["full_score"] = ref.get((r["model"], r["benchmark"], r["task"], "none"), "")
+        r["nocontext_score"] = ref.get((r["model"], r["benchmark"], r["task"], "no-context"), "")
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: _cell(r.get(k, "")) for k in FIELDS})
+
+
+def _cell(v: Any) -> Any:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return "" if v is None else v
+
+
+def _num(v: Any) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = ["model", "benchmark", "task", "method", "ratio", "score", "full_score", "nocontext_score",
+            "compaction_seconds", "realised_ratio", "n_examples"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            x = _num(v) if c not in ("model", "task", "method", "ratio") else None
+            cells.append(f"{x:.4g}" if x is not None else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- plots
+def _benchmark_points(rows: list[dict]) -> dict[tuple[str, str], list[tuple[float, float, float | None]]]:
+    """Per (model, method): (ratio, score, seconds) of the benchmark: its group row, else the task mean."""
+    by: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        by[(r["model"], r["method"], fmt_ratio(r["ratio"]))].append(r)
+    out: dict[tuple[str, str], list] = defaultdict(list)
+    for (model, method, ratio), rs in by.items():
+        group = [r for r in rs if r["task"] == r["benchmark"]]
+        rs = group or rs
+        scores = [_num(r["score"]) for r in rs if _num(r["score"]) is not None]
+        secs = [_num(r.get("compaction_seconds")) for r in rs if _num(r.get("compaction_seconds")) is not None]
+        if scores:
+            out[(model, method)].append((float(ratio), mean(scores), mean(secs) if secs else None))
+    return out
+
+
+def plot_benchmark(benchmark: str, rows: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = _benchmark_points(rows)
+    many = len({m for m, _ in points}) > 1
+    paths = []
+    for kind in ("ratio", "time"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (model, method), pts in sorted(points.items()):
+            label = f"{short_model(model)} {method}" if many else method
+            if method in ("none", "no-context"):
+                ax.axhline(pts[0][1], ls="--" if method == "none" else ":", color="k" if method == "none" else "grey",
+                           label=f"{label} (full context)" if method == "none" else label)
+                continue
+            pts = sorted(pts)
+            if kind == "ratio":
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            else:
+                timed = [p for p in pts if p[2] is not None and p[2] > 0]
+                if timed:
+                    ax.plot([p[2] for p in timed], [p[1] for p in timed], marker="o", label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("kept ratio" if kind == "ratio" else "compaction seconds per document")
+        ax.set_ylabel("score")
+        ax.set_title(benchmark)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        path = out_dir / f"{benchmark}_score_vs_{kind}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_probes(path: Path, out_dir: Path) -> Path | None:
+    rows = read_csv(path)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['config']} @{r['ratio']}" for r in rows]
+    damage = [_num(r.get("damage")) or 0.0 for r in rows]
+    found = [
+        (_num(r.get("needle_found")) or 0.0) / t if (t := _num(r.get("needle_total"))) else 0.0 for r in rows
+    ]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, vals, title in zip(axes, (damage, found), ("damage (lower is better)", "needle fraction found")):
+        ax.bar(range(len(vals)), vals)
+        ax.set_xticks(range(len(vals)), labels, rotation=45, ha="right", fontsize=7)
+        ax.set_title(title)
+    fig.tight_layout()
+    out = out_dir / "probes.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# ---------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", nargs="*", default=[], help="lm-eval results_*.json glob(s)")
+    p.add_argument("--nocontext-results", nargs="*", default=[], help="lm-eval results of no-document runs")
+    p.add_argument("--records", nargs="*", default=[], help="arckv_compaction_*.jsonl glob(s)")
+    p.add_argument("--needle", default=None, help="needle CSV (default <out-dir>/needle.csv if present)")
+    p.add_argument("--probes", default=None, help="probes CSV (default <out-dir>/probes.csv if present)")
+    p.add_argument("--out-dir", default=str(REPO / "leaderboards"))
+    p.add_argument("--no-plots", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Build/merge the leaderboard; returns the merged rows."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    command = "python scripts/make_leaderboard.py " + shlex.join(argv)
+    print(command)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    common = {"package_version": package_version(), "command": command}
+
+    records = read_records(expand(args.records))
+    new: list[dict] = []
+    for path in expand(args.results):
+        new += read_results(path, records, False, common)
+    for path in expand(args.nocontext_results):
+        new += read_results(path, records, True, common)
+    needle = Path(args.needle) if args.needle else out_dir / "needle.csv"
+    if args.needle or needle.exists():
+        new += read_needle(needle, common)
+
+    out = out_dir / "leaderboard.csv"
+    rows = merge(read_csv(out), new)
+    fill_references(rows)
+    write_csv(out, rows)
+
+    if not args.no_plots:
+        by_bench: dict[str, list[dict]] = defaultdict(list)
+        for r in rows:
+            by_bench[r["benchmark"]].append(r)
+        for bench, rs in sorted(by_bench.items()):
+            plot_benchmark(bench, rs, out_dir)
+        probes = Path(args.probes) if args.probes else out_dir / "probes.csv"
+        if probes.exists():
+            plot_probes(probes, out_dir)
+    print(markdown(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""scripts/make_leaderboard.py on tiny fake lm-eval results and hf-arckv records (no model)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_leaderboard.py"
+
+
+@pytest.fixture(scope="module")
+def ml():
+    spec = importlib.util.spec_from_file_location("make_leaderboard", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def results_json(path: Path, model: str, model_args: str, scores: dict[str, float], date: float) -> Path:
+    """A results file shaped like lm-eval 0.4.13 ``--output_path`` output."""
+    data = {
+        "results": {
+            t: {"alias": t, "acc,none": s, "acc_stderr,none": 0.01, "acc_norm,none": s / 2} for t, s in scores.items()
+        },
+        "group_subtasks": {t: [] for t in scores},
+        "configs": {},
+        "versions": {t: 1.0 for t in scores},
+        "n-samples": {t: {"original": 7, "effective": 5} for t in scores},
+        "config": {"model": model, "model_args": model_args, "batch_size": 1},
+        "git_hash": "abc",
+        "date": date,
+        "model_name": model_args.split(",")[0].split("=")[1],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def records_jsonl(path: Path, press: str, ratio: float, secs: list[float], tasks: list[str]) -> Path:
+    lines = []
+    for i, s in enumerate(secs):
+        lines.append(json.dumps({
+            "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "press": press, "method": press, "ratio": ratio,
+            "rank": 0, "document_index": i, "document_sha1": f"{i:040x}", "prefix_tokens": 10,
+            "document_tokens": 100, "context_tokens": 110, "compaction_seconds": s, "cache_bytes": 1000 * (i + 1),
+            "full_cache_bytes": 9000, "compacted_bytes": 500, "compacted_full_bytes": 8000,
+            "realised_ratio": 0.1 + 0.02 * i, "compacted": True, "requests": 4, "tasks": tasks,
+        }, sort_keys=True))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def row(rows, **kw):
+    hits = [r for r in rows if all(r[k] == v for k, v in kw.items())]
+    assert len(hits) == 1, (kw, hits)
+    return hits[0]
+
+
+def test_leaderboard_rows_merge_and_plots(ml, tmp_path, capsys):
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    runs, out = tmp_path / "runs", tmp_path / "lb"
+    results_json(runs / "full" / "results_1.json", "hf", f"pretrained={model}", {"quality": 0.5}, 1.7e9)
+    results_json(runs / "a01" / "results_2.json", "hf-arckv", f"pretrained={model},press=arckv,ratio=0.1",
+                 {"quality": 0.4}, 1.7e9)
+    results_json(runs / "a02" / "results_3.json", "hf-arckv", f"pretrained={model},press=arckv,ratio=0.2",
+                 {"quality": 0.45}, 1.7e9)
+    results_json(runs / "nc" / "results_4.json", "hf", f"pretrained={model}", {"quality": 0.3}, 1.7e9)
+    records_jsonl(runs / "arckv_compaction_SmolLM2-135M-Instruct_arckv_0.1.jsonl", "arckv", 0.1, [1.0, 2.0, 6.0],
+                  ["quality"])
+    # a record of another task must not enter the quality mean
+    with open(runs / "arckv_compaction_SmolLM2-135M-Instruct_arckv_0.1.jsonl", "a") as f:
+        f.write(json.dumps({"model": model, "press": "arckv", "ratio": 0.1, "compaction_seconds": 100.0,
+                            "cache_bytes": 1, "realised_ratio": 0.9, "tasks": ["other"]}) + "\n")
+
+    args = ["--results", str(runs / "full" / "*.json"), str(runs / "a0*" / "*.json"),
+            "--nocontext-results", str(runs / "nc" / "*.json"),
+            "--records", str(runs / "*.jsonl"), "--out-dir", str(out)]
+    ml.main(args)
+    printed = capsys.readouterr().out
+    assert printed.startswith("python scripts/make_leaderboard.py --results")
+    assert "| model | benchmark | task |" in printed
+
+    rows = read(out / "leaderboard.csv")
+    assert len(rows) == 4
+    a01 = row(rows, method="arckv", ratio="0.1")
+    assert a01["benchmark"] == "quality" and a01["task"] == "quality" and a01["model"] == model
+    assert float(a01["score"]) == pytest.approx(0.4)
+    assert a01["metric"] == "acc,none"
+    assert float(a01["full_score"]) == pytest.approx(0.5)
+    assert float(a01["nocontext_score"]) == pytest.approx(0.3)
+    assert float(a01["compaction_seconds"]) == pytest.approx(3.0)  # mean(1, 2, 6), not the 'other' task
+    assert float(a01["cache_bytes"]) == pytest.approx(2000.0)
+    assert float(a01["realised_ratio"]) == pytest.approx(0.12)
+    assert a01["n_examples"] == "5" and a01["n_records"] == "3"
+    assert a01["date"] == "2023-11-14T22:13:20Z"
+    assert a01["package_version"] and a01["command"].startswith("python scripts/make_leaderboard.py")
+    a02 = row(rows, method="arckv", ratio="0.2")
+    assert a02["compaction_seconds"] == ""  # no records for that run
+    full = row(rows, method="none")
+    assert full["ratio"] == "1" and float(full["full_score"]) == pytest.approx(0.5)
+    assert row(rows, method="no-context")["ratio"] == "0"
+    for kind in ("ratio", "time"):
+        png = out / f"quality_score_vs_{kind}.png"
+        assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+
+    # rerun with a newer ratio-0.1 result only: merged, one row per key, newer value, others kept
+    newer = results_json(runs / "a01b" / "results_5.json", "hf-arckv",
+                         f"pretrained={model},press=arckv,ratio=0.1", {"quality": 0.42}, 1.8e9)
+    ml.main(["--results", str(newer), "--out-dir", str(out), "--no-plots"])
+    rows2 = read(out / "leaderboard.csv")
+    assert len(rows2) == 4
+    a01 = row(rows2, method="arckv", ratio="0.1")
+    assert float(a01["score"]) == pytest.approx(0.42)
+    assert float(a01["full_score"]) == pytest.approx(0.5)
+    assert float(row(rows2, method="arckv", ratio="0.2")["score"]) == pytest.approx(0.45)
+
+    # an older result does not overwrite the newer row
+    older = results_json(runs / "old" / "results_6.json", "hf-arckv",
+                         f"pretrained={model},press=arckv,ratio=0.1", {"quality": 0.1}, 1.0e9)
+    ml.main(["--results", str(older), "--out-dir", str(out), "--no-plots"])
+    assert float(row(read(out / "leaderboard.csv"), method="arckv", ratio="0.1")["score"]) == pytest.approx(0.42)
+
+
+def test_needle_and_probes(ml, tmp_path):
+    out = tmp_path / "lb"
+    out.mkdir()
+    head = "method,ratio,length,depth,seed,context_tokens,needle,answer,correct,compaction_s,answer_s,cache_bytes,masked,model,command,date,package_version,machine\n"
+    body = (
+        "none,1,1000,0,0,999,1,1,1,1.0,1.0,100,0,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+        "arckv-ha,0.1,1000,0,0,999,1,2,0,3.0,1.0,10,0,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+        "arckv-ha,0.1,1000,0.5,0,999,1,1,1,5.0,1.0,20,0,m,c,2026-01-02T00:00:00Z,0.1.0,x\n"
+    )
+    (out / "needle.csv").write_text(head + body)
+    (out / "probes.csv").write_text(
+        "config,method,ratio,options,needle_found,needle_total,damage,damage_docs,compaction_seconds,date,version,command\n"
+        "arckv-ha,arckv-ha,0.2,{},1,2,0.09,1,35.8,2026-11-22,0.1.0,c\n"
+        "kvzip,kvzip,0.2,{},2,2,0.2,1,10.0,2026-11-22,0.1.0,c\n"
+    )
+    ml.main(["--out-dir", str(out)])
+    rows = read(out / "leaderboard.csv")
+    ha = row(rows, benchmark="needle", method="arckv-ha")
+    assert float(ha["score"]) == pytest.approx(0.5)
+    assert float(ha["compaction_seconds"]) == pytest.approx(4.0)
+    assert float(ha["cache_bytes"]) == pytest.approx(15.0)
+    assert float(ha["full_score"]) == pytest.approx(1.0)
+    assert ha["date"] == "2026-01-02T00:00:00Z" and ha["n_examples"] == "2"
+    assert (out / "needle_score_vs_ratio.png").exists() and (out / "probes.png").exists()
+
+
+def test_bad_inputs(ml, tmp_path):
+    with pytest.raises(ValueError, match="no file matches"):
+        ml.main(["--results", str(tmp_path / "nothing_*.json"), "--out-dir", str(tmp_path)])
+    bad = tmp_path / "results_x.json"
+    bad.write_text(json.dumps({"config": {}}))
+    with pytest.raises(ValueError, match="not an lm-eval results file"):
+        ml.main(["--results", str(bad), "--out-dir", str(tmp_path)])
