@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -370,7 +370,3 @@ def _layer_queries(layer_idx: int, repeat_store, context_store, H: int) -> tuple
     x, q = torch.cat(xs, dim=0), torch.cat(qs, dim=1)
     return x, group_queries_by_kv_head(q[None], H)
 
-
-def with_method(config: CompactionConfig, **changes) -> CompactionConfig:
-    """A copy of ``config`` with fields changed (validated again)."""
-    return replace(config, **changes)

@@ -369,20 +369,6 @@ class CompactCache(Cache):
         orig = sum(layer.span * layer.num_heads for layer in layers)
         return kept / orig if orig else 1.0
 
-    def truncate_appended(self, keep: list[int]) -> None:
-        """Drop tokens appended after the ordinary-row counts in ``keep`` (one per layer)."""
-        for layer, k in zip(self.layers, keep):
-            if isinstance(layer, CompactLayer):
-                layer.truncate_appended(k)
-            else:
-                layer.crop(k)
-
-    def appended_counts(self) -> list[int]:
-        return [
-            layer.num_appended if isinstance(layer, CompactLayer) else layer.get_seq_length()
-            for layer in self.layers
-        ]
-
     # ---------------------------------------------------------------- save / load
     def save(self, path: str | Path) -> None:
         """Save to one safetensors file (tensors + JSON metadata in its header)."""

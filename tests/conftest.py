@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingface_hub
 
@@ -156,3 +157,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def make_text(n_chars: int, seed: int = 0) -> str:
+    """Deterministic word soup of ``n_chars`` characters (within the tiny tokenizers' alphabet)."""
+    rng = random.Random(seed)
+    words = ["alpha", "river", "stone", "ember", "quiet", "lunar", "maple", "cobalt", "drift", "wren"]
+    text = ""
+    while len(text) < n_chars:
+        text += rng.choice(words) + rng.choice([" ", " ", ", ", ". "])
+    return text[:n_chars]

@@ -8,7 +8,6 @@ uncompressed attention outputs of held-out repeat queries.
 from __future__ import annotations
 
 import math
-import random
 import time
 from pathlib import Path
 
@@ -28,16 +27,9 @@ from arckv_press.models import describe_attention_layout
 PG_ESSAYS = Path(__file__).resolve().parents[2] / "shared" / "data" / "ruler" / "pg_essays.txt"
 
 
+from conftest import make_text  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_text(n_chars: int, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    words = ["alpha", "river", "stone", "ember", "quiet", "lunar", "maple", "cobalt", "drift", "wren"]
-    text = ""
-    while len(text) < n_chars:
-        text += rng.choice(words) + rng.choice([" ", " ", ", ", ". "])
-    return text[:n_chars]
 
 
 def kvpress_ids(tok, context: str, question: str) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -15,7 +15,6 @@ docstring), not with ``capture.repeat_chunks``.
 from __future__ import annotations
 
 import contextlib
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -36,6 +35,8 @@ from arckv_press.models import describe_attention_layout
 
 _PROBE = "arckv_test_probe"
 
+
+from conftest import make_text  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 _PROBE_LOG: dict = {}
@@ -85,15 +86,6 @@ def reference_queries(model, ids: torch.Tensor, layers) -> dict[int, tuple[torch
         for h in handles:
             h.remove()
     return out
-
-
-def make_text(n_chars: int, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    words = ["alpha", "river", "stone", "ember", "quiet", "lunar", "maple", "cobalt", "drift", "wren"]
-    text = ""
-    while len(text) < n_chars:
-        text += rng.choice(words) + rng.choice([" ", " ", ", ", ". "])
-    return text[:n_chars]
 
 
 def context_ids(tok, text: str) -> tuple[torch.Tensor, int]:
