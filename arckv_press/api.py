@@ -27,9 +27,9 @@ from arckv_press.attention import enable_compact_attention
 from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, pack_heads
 from arckv_press.capture import QueryCapture, framing_for, prefill, repeat_prefill
 from arckv_press.compaction.fit import FitConfig
-from arckv_press.compaction.layer import AM_VARIANTS, ARCKV_SELECTORS, LayerMethod, compact_layer
+from arckv_press.compaction.layer import AM_VARIANTS, ARCKV_SELECTORS, LayerMethod, anchor_scores, compact_layer
 from arckv_press.compaction.reference import group_activations, group_queries_by_kv_head, mix_sources, subsample_rows
-from arckv_press.compaction.select import POOLINGS, per_head_budgets
+from arckv_press.compaction.select import POOLINGS, global_budgets, per_head_budgets
 
 __all__ = ["CompactionConfig", "compact", "compact_prefilled", "METHODS", "encode_document", "CompactionReport"]
 
@@ -60,6 +60,16 @@ class CompactionConfig:
         on_policy: Attention Matching's option: the reference queries of layer l are recaptured by
             a repeat-prefill through a cache whose layers below l are already compacted (one
             repeat-prefill per layer, so about L times the cost); off by default.
+        score_queries: ARC-KV anchor scoring from ``"all"`` captured positions of each reference
+            source (default; the fits still use the ``query_budget`` rows) or from the
+            ``"budget"`` rows only (the paper's setting). See ``allocation``.
+        allocation: ARC-KV per-head budgets: ``"global"`` (default; one top-k over the scores of
+            every layer and head, :func:`~arckv_press.compaction.select.global_budgets`) or
+            ``"fixed"`` (Eq. (per_head_budget) with ``budget_weights`` / the checkpoint's weights /
+            uniform, the paper's setting). Measured on the default model (README, "planted
+            needles"): with fixed budgets, or with anchors scored from the budget rows only, every
+            planted 7-digit needle is lost at keep 20%; ``"all"`` + ``"global"`` keeps them.
+            Attention Matching methods ignore both options (uniform budgets, as its code).
     """
 
     method: str = "arckv"
@@ -78,6 +88,8 @@ class CompactionConfig:
     seed: int = 0
     progress: bool = False
     on_policy: bool = False
+    score_queries: str = "all"
+    allocation: str = "global"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -90,6 +102,12 @@ class CompactionConfig:
             raise ValueError("query_budget and repeat_chunk must be positive")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.score_queries not in ("all", "budget"):
+            raise ValueError(f"score_queries must be 'all' or 'budget', got {self.score_queries!r}")
+        if self.allocation not in ("global", "fixed"):
+            raise ValueError(f"allocation must be 'global' or 'fixed', got {self.allocation!r}")
+        if self.on_policy and self.allocation == "global" and self.method in ARCKV_SELECTORS:
+            raise ValueError("on_policy=True needs allocation='fixed' (global budgets need every layer's queries up front)")
         if self.min_length < 1:
             raise ValueError(f"min_length must be >= 1, got {self.min_length}")
         self.layer_method()  # validates lambda_m now, not after the prefill and repeat-prefill
@@ -234,7 +252,7 @@ def compact_prefilled(
     layers = list(layout.full_attention_layers)
     H, G = layout.num_kv_heads, layout.group_size
     timings: dict[str, float] = {}
-    repeat_pos, context_pos = _reference_positions(T, G, config)
+    plan = _capture_plan(T, G, config)
 
     # Indexer and budgets are resolved before the (possibly long) prefill: a missing checkpoint or
     # malformed budget weights fail fast and leave ``cache`` untouched.
@@ -247,58 +265,80 @@ def compact_prefilled(
 
     full_bytes = 0
     t0 = time.perf_counter()
-    if already_prefilled and config.ratio < 1.0 and context_pos.numel() and context_queries is None:
+    if already_prefilled and config.ratio < 1.0 and plan.context_capture.numel() and context_queries is None:
         raise ValueError(
             f"context_fraction={config.context_fraction} needs the queries captured during the prefill "
             "(context_queries); capture them with QueryCapture or set context_fraction=0"
         )
     if not already_prefilled:
-        if config.ratio < 1.0 and context_pos.numel():
-            context_queries = _prefill_capturing(model, cache, context_ids, layers, context_pos + prefix_len)
+        if config.ratio < 1.0 and plan.context_capture.numel():
+            context_queries = _prefill_capturing(model, cache, context_ids, layers, plan.context_capture + prefix_len)
         else:
             prefill(model, context_ids, cache)
     timings["prefill"] = time.perf_counter() - t0 if not already_prefilled else 0.0
 
     repeat_store = None
     framing = framing_for(tokenizer, use_chat_template)
-    if config.ratio < 1.0 and repeat_pos.numel():
+    if config.ratio < 1.0 and plan.repeat_capture.numel():
         t0 = time.perf_counter()
         bar = _progress(config, T, "repeat-prefill")
         repeat_store = repeat_prefill(
             model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids,
-            layers[:1] if config.on_policy else layers, repeat_pos, config.repeat_chunk, bar,
+            layers[:1] if config.on_policy else layers, plan.repeat_capture, config.repeat_chunk, bar,
         )
         if bar is not None:
             bar.close()
         timings["repeat_prefill"] = time.perf_counter() - t0
 
     method = config.layer_method()
+    scored = config.ratio < 1.0 and config.method in ARCKV_SELECTORS and not config.on_policy
+
+    def layer_scores(layer_idx: int) -> torch.Tensor:
+        """Anchor scores of a layer from every captured reference row (``score_queries``)."""
+        X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H)
+        K, V = _document_kv(cache, layer_idx, prefix_len)
+        return anchor_scores(method, Q, K, V, _scaling(model, layer_idx),
+                             group_activations(X, G) if X is not None else None, indexer, layer_idx)
+
+    scores: dict[int, torch.Tensor] = {}
+    if scored and config.allocation == "global":
+        t0 = time.perf_counter()
+        scores = {layer_idx: layer_scores(layer_idx) for layer_idx in layers}
+        budgets = global_budgets(torch.stack([scores[i].float() for i in layers]), config.ratio)
+        timings["selection"] = time.perf_counter() - t0
+
     n_rows = 0
     bar = _progress(config, len(layers), f"compact ({config.method})", unit="layer")
     for li, layer_idx in enumerate(layers):
         dyn = cache.layers[layer_idx]
         keys, values = dyn.keys, dyn.values
         full_bytes += keys.nbytes + values.nbytes
-        K, V = keys[0, :, prefix_len:], values[0, :, prefix_len:]
+        K, V = _document_kv(cache, layer_idx, prefix_len)
         # clone: a slice is a view that would keep the whole uncompressed layer's storage alive
         fixed_k, fixed_v = keys[:, :, :prefix_len].clone(), values[:, :, :prefix_len].clone()
         if config.ratio >= 1.0:
             C_k, beta, C_v = K.reshape(-1, K.shape[-1]), K.new_zeros(H * T, dtype=torch.float32), V.reshape(-1, V.shape[-1])
             lengths = torch.full((H,), T, dtype=torch.long, device=K.device)
         else:
-            if config.on_policy and li > 0 and repeat_pos.numel():
+            if config.on_policy and li > 0 and plan.repeat_capture.numel():
                 t0 = time.perf_counter()
                 enable_compact_attention(model)  # layers below are compact now
                 repeat_store = repeat_prefill(
                     model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, [layer_idx],
-                    repeat_pos, config.repeat_chunk,
+                    plan.repeat_capture, config.repeat_chunk,
                 )
                 timings["repeat_prefill"] = timings.get("repeat_prefill", 0.0) + time.perf_counter() - t0
-            X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H)
+            layer_score = scores.pop(layer_idx, None)
+            if scored and layer_score is None:
+                t0 = time.perf_counter()
+                layer_score = layer_scores(layer_idx)
+                timings["selection"] = timings.get("selection", 0.0) + time.perf_counter() - t0
+            X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H, plan.repeat_rows, plan.context_rows)
             n_rows = Q.shape[1]
             res = compact_layer(
                 K, V, Q, budgets[li].to(K.device), _scaling(model, layer_idx), method,
                 X=group_activations(X, G) if X is not None else None, indexer=indexer, layer_idx=layer_idx,
+                scores=layer_score,
             )
             for stage, sec in res.timings.items():
                 timings[stage] = timings.get(stage, 0.0) + sec
@@ -357,12 +397,52 @@ def _prefill_capturing(model, cache, context_ids, layers, rows):
     return cap.store
 
 
-def _layer_queries(layer_idx: int, repeat_store, context_store, H: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``X [n, d_x]`` and ``Q [H_kv, G * n, D]`` from the repeat and context captures of a layer."""
+def _document_kv(cache, layer_idx: int, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The document part ``K, V [H, T, D]`` of an ordinary cache layer (views)."""
+    layer = cache.layers[layer_idx]
+    return layer.keys[0, :, prefix_len:], layer.values[0, :, prefix_len:]
+
+
+@dataclass
+class _CapturePlan:
+    """Document positions captured per reference source, and which captured rows feed the fits.
+
+    ``*_rows`` index the captured rows of a source (``None``: all of them). With
+    ``score_queries="all"`` (ARC-KV) every position is captured so the anchor scores see all
+    reference queries, and the fits use the ``query_budget`` subset.
+    """
+
+    repeat_capture: torch.Tensor
+    context_capture: torch.Tensor
+    repeat_rows: torch.Tensor | None
+    context_rows: torch.Tensor | None
+
+
+def _capture_plan(T: int, G: int, config: CompactionConfig) -> _CapturePlan:
+    repeat_pos, context_pos = _reference_positions(T, G, config)
+    score_all = config.score_queries == "all" and config.method in ARCKV_SELECTORS and not config.on_policy
+
+    def widen(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if score_all and pos.numel():
+            return torch.arange(T), pos  # captured row i is position i
+        return pos, None
+
+    (rep_cap, rep_rows), (ctx_cap, ctx_rows) = widen(repeat_pos), widen(context_pos)
+    return _CapturePlan(rep_cap, ctx_cap, rep_rows, ctx_rows)
+
+
+def _layer_queries(
+    layer_idx: int, repeat_store, context_store, H: int, repeat_rows=None, context_rows=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``X [n, d_x]`` and ``Q [H_kv, G * n, D]`` from the repeat and context captures of a layer
+    (``*_rows``: the captured rows to use, ``None`` = all)."""
     xs, qs = [], []
-    for store in (repeat_store, context_store):
+    for store, rows in ((repeat_store, repeat_rows), (context_store, context_rows)):
         if store is not None and layer_idx in store.x:
             x, q = store.layer(layer_idx)
+            if rows is not None:
+                rows = rows.to(x.device)
+                x, q = x[rows], q[:, rows]
             xs.append(x)
             qs.append(q)
     if not xs:

@@ -32,7 +32,7 @@ import torch
 from kvpress import BasePress
 from transformers import DynamicCache
 
-from arckv_press.api import CompactionConfig, CompactionReport, _reference_positions, compact_prefilled
+from arckv_press.api import CompactionConfig, CompactionReport, _capture_plan, compact_prefilled
 from arckv_press.capture import QueryCapture, framing_for
 from arckv_press.compaction.layer import AM_VARIANTS, ARCKV_SELECTORS
 
@@ -265,8 +265,8 @@ class _CompactionPress(BasePress):
             prefix_len = n if n and ids.shape[1] >= n and ids[0, :n].tolist() == prefix_ids else 0
             record.input_ids, record.cache, record.prefix_len = ids.detach(), cache, prefix_len
             if capture is not None:
-                _, context_pos = _reference_positions(ids.shape[1] - prefix_len, layout.group_size, config)
-                capture.rows = context_pos + prefix_len
+                plan = _capture_plan(ids.shape[1] - prefix_len, layout.group_size, config)
+                capture.rows = plan.context_capture + prefix_len
             return args, kwargs
 
         # The module kvpress's pipeline and arckv_press.capture.prefill call. For multimodal wrappers

@@ -7,7 +7,8 @@ Inputs (all optional; glob patterns, repeatable):
   ``group_subtasks``, ``date`` (unix seconds). ``--model hf`` runs are method ``none`` at ratio 1;
   ``--model hf-arckv`` runs take ``press`` / ``ratio`` from ``model_args``.
 - ``--nocontext-results``: lm-eval results of the same tasks run without the document; they become
-  rows of method ``no-context`` (ratio 0) and fill the ``nocontext_score`` column.
+  rows of method ``no-context`` (ratio 0) and fill the ``nocontext_score`` column. ``hf-arckv``
+  runs with ``drop_document=True`` in ``model_args`` are recognised as such from ``--results`` too.
 - ``--records``: the per-document compaction records of ``hf-arckv``
   (``arckv_compaction_<model>_<press>_<ratio>.jsonl``, fields ``model``, ``press``, ``ratio``,
   ``compaction_seconds``, ``cache_bytes``, ``full_cache_bytes``, ``realised_ratio``, ``tasks``).
@@ -183,7 +184,7 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
     config = data.get("config") or {}
     args = parse_model_args(config.get("model_args"))
     model = args.get("pretrained") or data.get("model_name") or str(config.get("model", "unknown"))
-    if nocontext:
+    if nocontext or str(args.get("drop_document", "")).lower() in ("true", "1", "yes"):
         method, ratio = "no-context", "0"
     elif config.get("model") == "hf-arckv":
         method = args.get("press", "arckv")

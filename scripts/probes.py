@@ -4,8 +4,9 @@
     python scripts/probes.py --configs arckv-ha arckv-ha:ctx=0.5 arckv-ha:pool=max snapkv kvzip --ratios 0.2 0.1
 
 A config is ``METHOD[:key=value,...]`` with keys ``ctx`` (share of reference queries from the
-context's own prefill: 0 = repeat-prefill only, the paper's default) and ``pool`` (rms, mean,
-max). Results are appended to ``leaderboards/probes.csv`` (resumable: finished rows are skipped);
+context's own prefill: 0 = repeat-prefill only, the paper's default), ``pool`` (rms, mean,
+max), ``alloc`` (global, fixed) and ``score`` (all, budget); ``alloc=fixed,score=budget`` is
+the paper's exact setting. Results are appended to ``leaderboards/probes.csv`` (resumable: finished rows are skipped);
 the haystack and documents are the Paul Graham essays in ``../shared/data/ruler/pg_essays.txt``.
 """
 
@@ -40,8 +41,12 @@ def parse_config(text: str) -> tuple[str, dict]:
             options["context_fraction"] = float(value)
         elif key == "pool":
             options.setdefault("config_options", {})["pooling"] = value
+        elif key == "alloc":
+            options.setdefault("config_options", {})["allocation"] = value
+        elif key == "score":
+            options.setdefault("config_options", {})["score_queries"] = value
         else:
-            raise ValueError(f"unknown option {key!r} in config {text!r} (use ctx=, pool=)")
+            raise ValueError(f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, score=)")
     return method, options
 
 

@@ -121,8 +121,10 @@ def test_every_method_quarter_ratio(tiny_model, tiny_tokenizer, family):
             again = compact(model, tok, text, method, 0.25, **opts)
             logits = model(q_ids, past_key_values=cache).logits
         assert len(cache.compact_layers) == n_full
+        if method.startswith("am-"):  # uniform budgets; ARC-KV: global budgets with the same total
+            assert all(layer.lengths.tolist() == [t] * H for layer in cache.compact_layers), method
+        assert sum(int(layer.lengths.sum()) for layer in cache.compact_layers) == n_full * H * t, method
         for layer in cache.compact_layers:
-            assert layer.lengths.tolist() == [t] * H, method
             assert layer.num_appended - q_ids.shape[1] == P
             for x in (layer.ck, layer.beta, layer.cv):
                 assert torch.isfinite(x).all(), method
@@ -150,7 +152,7 @@ def test_api_feeds_compact_layer_the_captured_queries(tiny_model, tiny_tokenizer
     model = tiny_model("qwen3", num_layers=2)
     tok = tiny_tokenizer()
     text = make_text(60, seed=3)
-    config = CompactionConfig(method="arckv-ha", ratio=0.25, query_budget=40, seed=5)
+    config = CompactionConfig(method="arckv-ha", ratio=0.25, query_budget=40, seed=5, score_queries="budget", allocation="fixed")
     layout = describe_attention_layout(model)
     with torch.no_grad():
         ids, _, P = kvpress_ids(tok, text, "?")
@@ -162,7 +164,8 @@ def test_api_feeds_compact_layer_the_captured_queries(tiny_model, tiny_tokenizer
         positions, _ = _reference_positions(T, layout.group_size, config)
         assert positions.numel() == 20
         store = repeat_prefill(model, tok, dyn, ids[:, P:], framing_for(tok).suffix_ids, [0, 1], positions)
-        cache = compact(model, tok, text, config.method, config.ratio, query_budget=40, seed=5)
+        cache = compact(model, tok, text, config.method, config.ratio, query_budget=40, seed=5,
+                        score_queries="budget", allocation="fixed")
     budgets = torch.full((2,), math.floor(0.25 * T))
     for i, layer in enumerate(cache.compact_layers):
         Q = group_queries_by_kv_head(store.layer(i)[1][None], 2)
@@ -170,6 +173,54 @@ def test_api_feeds_compact_layer_the_captured_queries(tiny_model, tiny_tokenizer
         torch.testing.assert_close(layer.ck, res.C_k[res.valid], atol=1e-6, rtol=0)
         torch.testing.assert_close(layer.beta, res.beta[res.valid], atol=1e-5, rtol=0)
         torch.testing.assert_close(layer.cv, res.C_v[res.valid], atol=1e-5, rtol=0)
+
+
+def test_default_scores_all_positions_and_allocates_globally(tiny_model, tiny_tokenizer):
+    """Defaults (score_queries="all", allocation="global") against a brute-force reference: HA
+    scores (RMS of per-row softmax over the document) from the repeat queries of *every* position,
+    one global top-k over all layers and heads (each head keeps its best position first), and the
+    fits on the ``query_budget`` rows only."""
+    model = tiny_model("llama", num_layers=3)
+    tok = tiny_tokenizer()
+    text = make_text(60, seed=7)
+    layout = describe_attention_layout(model)
+    H, G = layout.num_kv_heads, layout.group_size
+    config = CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3)
+    with torch.no_grad():
+        ids, _, P = kvpress_ids(tok, text, "?")
+        T = ids.shape[1] - P
+        dyn = DynamicCache(config=model.config)
+        prefill(model, ids, dyn)
+        K = [l.keys[0, :, P:].clone() for l in dyn.layers]
+        V = [l.values[0, :, P:].clone() for l in dyn.layers]
+        store = repeat_prefill(model, tok, dyn, ids[:, P:], framing_for(tok).suffix_ids, [0, 1, 2], torch.arange(T))
+        cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3)
+    fit_pos, _ = _reference_positions(T, G, config)
+    scores = []
+    for i in range(3):
+        q = store.layer(i)[1]  # [Hq, T, D], all positions
+        Q = group_queries_by_kv_head(q[None], H).double()
+        probs = torch.softmax(Q @ K[i].double().transpose(1, 2) * layout.scaling, dim=-1)
+        scores.append(probs.pow(2).mean(dim=1).sqrt())
+    # brute-force global allocation: every (layer, head, position) ranked together
+    total, budgets = 3 * H * math.floor(0.2 * T), torch.zeros(3, H, dtype=torch.long)
+    items = []
+    for i in range(3):
+        for h in range(H):
+            best = max(range(T), key=lambda j: (float(scores[i][h, j]), -j))
+            budgets[i, h] += 1
+            items += [(-float(scores[i][h, j]), i, h, j) for j in range(T) if j != best]
+    for _, i, h, _ in sorted(items)[: total - 3 * H]:
+        budgets[i, h] += 1
+    assert len({tuple(b.tolist()) for b in budgets}) > 1 or len(set(budgets.flatten().tolist())) > 1
+    assert [layer.lengths.tolist() for layer in cache.compact_layers] == budgets.tolist()
+    for i, layer in enumerate(cache.compact_layers):
+        Q_fit = group_queries_by_kv_head(store.layer(i)[1][None, :, fit_pos], H)
+        res = compact_layer(K[i], V[i], Q_fit, budgets[i], layout.scaling, LayerMethod("arckv-ha"), scores=scores[i].float())
+        torch.testing.assert_close(layer.ck, res.C_k[res.valid], atol=1e-5, rtol=0)
+        torch.testing.assert_close(layer.beta, res.beta[res.valid], atol=1e-4, rtol=0)
+        torch.testing.assert_close(layer.cv, res.C_v[res.valid], atol=1e-4, rtol=0)
+    assert cache.report.reference_rows == G * (40 // G)  # the fits use the budget rows only
 
 
 @pytest.mark.parametrize("as_file", [False, True])
@@ -183,7 +234,7 @@ def test_budget_weights_give_per_head_budgets(tiny_model, tiny_tokenizer, tmp_pa
         weights = tmp_path / "weights.pt"
         torch.save(w, weights)
     with torch.no_grad():
-        cache = compact(model, tok, make_text(70, seed=6), "arckv-vi", 0.25, budget_weights=weights)
+        cache = compact(model, tok, make_text(70, seed=6), "arckv-vi", 0.25, budget_weights=weights, allocation="fixed")
     # |P| = 4 layer-heads, rho T = 17.5: raw = w / 8 * 4 * 17.5 = [[8.75, 17.5], [26.25, 17.5]]
     assert [layer.lengths.tolist() for layer in cache.compact_layers] == [[8, 17], [26, 17]]
     assert cache.realised_ratio() == pytest.approx((8 + 17 + 26 + 17) / (4 * 70), abs=0)
@@ -226,7 +277,7 @@ def test_fidelity_default_model(default_model_fp32):
     text = tok.decode(doc)
     ids = torch.tensor([framing.prefix_ids + tok.encode(text, add_special_tokens=False)])
     P, T = len(framing.prefix_ids), ids.shape[1] - len(framing.prefix_ids)
-    config = CompactionConfig(method="arckv-ha", ratio=0.3, query_budget=G * 400)
+    config = CompactionConfig(method="arckv-ha", ratio=0.3, query_budget=G * 400, score_queries="budget", allocation="fixed")
     fit_pos, _ = _reference_positions(T, G, config)
     held = torch.tensor(sorted(set(range(T)) - set(fit_pos.tolist())))[::2]  # ~100 held-out positions
     layers = list(layout.full_attention_layers)[1::4]
@@ -294,6 +345,12 @@ def test_bad_input(tiny_model, tiny_tokenizer):
     # options checked before any forward (CompactionConfig), not after the repeat-prefill
     with pytest.raises(ValueError, match="lambda_m"):
         CompactionConfig(method="arckv-ha", lambda_m=2.0)
+    with pytest.raises(ValueError, match="allocation"):
+        CompactionConfig(method="arckv-ha", allocation="uniform")
+    with pytest.raises(ValueError, match="score_queries"):
+        CompactionConfig(method="arckv-ha", score_queries="some")
+    with pytest.raises(ValueError, match="on_policy=True needs allocation='fixed'"):
+        CompactionConfig(method="arckv-ha", on_policy=True)
     with pytest.raises(ValueError, match="pooling"):
         CompactionConfig(method="arckv-ha", pooling="median")
     with pytest.raises(ValueError, match="min_length"):

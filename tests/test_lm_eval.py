@@ -455,3 +455,41 @@ def test_requests_without_document_and_bad_options(inprocess_runs):
             HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv", ratio=0.5)
     with pytest.raises(ValueError, match="lambda_m"):
         HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="snapkv", ratio=0.5, lambda_m=0.3)
+
+
+def test_strip_document_keeps_markers_and_question():
+    from arckv_press.lm_eval.model import strip_document
+
+    text = "Read this.\n<document>\nSecret 123.\n</document>\nQuestion: which number?"
+    assert strip_document(text) == "Read this.\n<document>\n\n</document>\nQuestion: which number?"
+    assert strip_document("no markers") == "no markers"
+
+
+@pytest.mark.model
+def test_drop_document_is_the_no_context_baseline(inprocess_runs):
+    """``drop_document=True`` scores exactly the prompt without its document (brute-force forward)."""
+    import torch
+    from lm_eval.api.instance import Instance
+
+    from arckv_press.lm_eval.model import HFArcKV
+
+    _, lms = inprocess_runs
+    base = lms["snapkv"]
+    with pytest.raises(ValueError, match="press=none"):
+        HFArcKV(pretrained=base.model, tokenizer=base.tokenizer, press="snapkv", ratio=0.5, drop_document=True)
+    lm = HFArcKV(pretrained=base.model, tokenizer=base.tokenizer, press="none", ratio=1.0, drop_document="True")
+    context = "Instruction.\n\n<document>\nThe vault code is 4711.\n</document>\n\nQuestion: the vault code is"
+    inst = Instance("loglikelihood", {}, (context, " 4711"), 0, ("t", 0, 1))
+    ((got, _),) = lm.loglikelihood([inst], disable_tqdm=True)
+    tok = base.tokenizer
+    ctx_ids = tok.encode("Instruction.\n\n<document>\n\n</document>\n\nQuestion: the vault code is", add_special_tokens=False)
+    cont_ids = tok.encode(" 4711", add_special_tokens=False)
+    with torch.inference_mode():
+        logits = base.model(torch.tensor([ctx_ids + cont_ids])).logits[0].float()
+    logp = torch.log_softmax(logits[len(ctx_ids) - 1 : -1], dim=-1)
+    want = float(logp.gather(1, torch.tensor(cont_ids)[:, None]).sum())
+    assert got == pytest.approx(want, abs=1e-3)
+    assert lm.n_compactions == 0 and lm.n_without_document == 1
+    gen = Instance("generate_until", {}, (context, {"until": ["\n"], "max_gen_toks": 4}), 0, ("t", 0, 1))
+    (text,) = lm.generate_until([gen], disable_tqdm=True)
+    assert isinstance(text, str) and lm.n_compactions == 0

@@ -123,6 +123,14 @@ def test_leaderboard_rows_merge_and_plots(ml, tmp_path, capsys):
     assert float(a01["full_score"]) == pytest.approx(0.5)
     assert float(row(rows2, method="arckv", ratio="0.2")["score"]) == pytest.approx(0.45)
 
+    # an hf-arckv drop_document run is the no-context baseline (found among --results)
+    nc2 = results_json(runs / "nc2" / "results_7.json", "hf-arckv",
+                       f"pretrained={model},press=none,ratio=1.0,drop_document=True", {"quality": 0.28}, 1.9e9)
+    ml.main(["--results", str(nc2), "--out-dir", str(out), "--no-plots"])
+    rows3 = read(out / "leaderboard.csv")
+    assert len(rows3) == 4 and float(row(rows3, method="no-context")["score"]) == pytest.approx(0.28)
+    assert float(row(rows3, method="arckv", ratio="0.1")["nocontext_score"]) == pytest.approx(0.28)
+
     # an older result does not overwrite the newer row
     older = results_json(runs / "old" / "results_6.json", "hf-arckv",
                          f"pretrained={model},press=arckv,ratio=0.1", {"quality": 0.1}, 1.0e9)

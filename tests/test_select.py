@@ -302,3 +302,48 @@ def test_chunked_topk_falls_back_below_min_length_and_matches_rule():
         assert (idx[h][~valid[h]] == 0).all()
     with pytest.raises(ValueError, match="chunk_len"):
         chunked_topk_anchors(s, b, chunk_len=0)
+
+
+# ------------------------------------------------------------------ global budgets
+def _global_budgets_brute(scores, ratio, min_per_head=1):
+    L, H, T = scores.shape
+    total = L * H * max(min_per_head, math.floor(ratio * T + 1e-6))
+    counts = [[0] * H for _ in range(L)]
+    rest = []
+    for l in range(L):
+        for h in range(H):
+            order = sorted(range(T), key=lambda j: (-float(scores[l, h, j]), j))
+            counts[l][h] = min_per_head
+            rest += [(-float(scores[l, h, j]), (l * H + h) * T + j, l, h) for j in order[min_per_head:]]
+    for _, _, l, h in sorted(rest)[: total - L * H * min_per_head]:
+        counts[l][h] += 1
+    return torch.tensor(counts)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_global_budgets_match_brute_force(seed):
+    from arckv_press.compaction.select import global_budgets
+
+    g = torch.Generator().manual_seed(seed)
+    L, H, T = 3, 2, 23
+    scores = torch.rand(L, H, T, generator=g) ** 4  # peaked heads and flat heads
+    scores[1, 0] = scores[1, 0] * 10  # one head dominates: it should get much more than its share
+    scores[2, 1, :5] = 0.5  # ties, broken by the lowest (layer, head, position)
+    for ratio, m in ((0.2, 1), (0.1, 1), (0.5, 2), (1.0, 1), (0.01, 1)):
+        got = global_budgets(scores, ratio, m)
+        assert torch.equal(got, _global_budgets_brute(scores, ratio, m)), (ratio, m)
+        assert int(got.sum()) == L * H * max(m, math.floor(ratio * T)) and bool((got >= m).all()) and bool((got <= T).all())
+    assert global_budgets(scores, 0.2)[1, 0] > math.floor(0.2 * T)
+
+
+def test_global_budgets_errors():
+    from arckv_press.compaction.select import global_budgets
+
+    with pytest.raises(ValueError, match="ratio"):
+        global_budgets(torch.rand(2, 2, 5), 0.0)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        global_budgets(torch.full((1, 1, 5), float("nan")), 0.5)
+    with pytest.raises(ValueError, match="min_per_head"):
+        global_budgets(torch.rand(1, 1, 5), 0.5, min_per_head=6)
+    with pytest.raises(ValueError, match="3"):
+        global_budgets(torch.rand(2, 5), 0.5)

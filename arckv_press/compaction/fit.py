@@ -63,6 +63,10 @@ class FitConfig:
         so it does not depend on n_fit or t; 1e-3 only damps directions whose curvature is
         below 0.1% of the average. ``ridge_relative=False`` uses ridge_v as the absolute
         lambda_v of the paper.
+    value_prior: what the ridge of Eq. (value_lstsq) shrinks C_v toward. "zero" (paper:
+        lambda ||C_v||^2) or "anchor" (lambda ||C_v - V_S||^2 with V_S the original values at
+        the anchor positions, so a large ridge falls back to plain eviction's values instead
+        of to zero; see the README's needle evidence for why this matters).
     block_rows: query rows per block.
     nnls_max_iter: cap on Lawson--Hanson iterations (None: 3 * t + 10).
     """
@@ -74,6 +78,7 @@ class FitConfig:
     mass_ridge: float = 1e-12
     ridge_v: float = 1e-3
     ridge_relative: bool = True
+    value_prior: str = "zero"
     block_rows: int = 1024
     nnls_max_iter: int | None = None
 
@@ -88,6 +93,8 @@ class FitConfig:
             raise ValueError(f"mass_ridge must be finite and >= 0, got {self.mass_ridge}")
         if not (math.isfinite(self.ridge_v) and self.ridge_v >= 0):
             raise ValueError(f"ridge_v must be finite and >= 0, got {self.ridge_v}")
+        if self.value_prior not in ("zero", "anchor"):
+            raise ValueError(f"value_prior must be 'zero' or 'anchor', got {self.value_prior!r}")
         _check_positive_int(self.block_rows, "block_rows")
         if self.nnls_max_iter is not None:
             _check_positive_int(self.nnls_max_iter, "nnls_max_iter")
@@ -418,6 +425,7 @@ def fit_values(
     valid: torch.Tensor | None = None,
     config: FitConfig = FitConfig(),
     ridge: float | None = None,
+    prior: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compact values C_v ``[H, t, Dv]`` (dtype of K), paper Eq. (value_lstsq).
 
@@ -428,6 +436,9 @@ def fit_values(
     ``ridge=0`` is exact least squares when P_hat has full column rank; if the Cholesky
     factorisation fails a tiny escalating jitter is added and a warning is logged (use
     :func:`spd_solve` directly to get the jitter per head). Invalid slots get zero rows.
+
+    ``prior`` ``[H, t, Dv]`` (required iff ``config.value_prior == "anchor"``): the ridge then
+    shrinks toward it, (P^T P + lambda I) C = P^T Y + lambda prior.
     """
     _check_qk(Q, K)
     _check_values(V, K)
@@ -444,6 +455,12 @@ def fit_values(
     lam = config.ridge_v if ridge is None else ridge
     if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not (math.isfinite(lam) and lam >= 0):
         raise ValueError(f"ridge must be a finite float >= 0, got {lam!r}")
+    if (config.value_prior == "anchor") != (prior is not None):
+        raise ValueError("pass prior (values at the anchors) exactly when config.value_prior == 'anchor'")
+    if prior is not None:
+        _check_float(prior, "prior", 3)
+        if tuple(prior.shape) != (H, t, V.shape[-1]):
+            raise ValueError(f"prior must have shape {(H, t, V.shape[-1])}, got {tuple(prior.shape)}")
     cd = _compute_dtype(Q, K, V, C_k, beta)
     Kt, Vc = K.to(cd).transpose(1, 2), V.to(cd)
     Ct, bc = C_k.to(cd).transpose(1, 2), beta.to(cd)
@@ -456,6 +473,8 @@ def fit_values(
         G = G + P.transpose(1, 2) @ P
         R = R + P.transpose(1, 2) @ Y
     scale = _mean_diag(G, valid) if config.ridge_relative else torch.ones(H, dtype=torch.float64, device=K.device)
+    if prior is not None:
+        R = R + (lam * scale)[:, None, None] * prior.double()
     C_v, jitter = _masked_spd_solve(G, R, valid, lam * scale)
     if bool((jitter > 0).any()):
         logger.warning(

@@ -22,7 +22,7 @@ from arckv_press.compaction.merge import merge_keys
 from arckv_press.compaction.omp import am_compact
 from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, vi_scores
 
-__all__ = ["LayerMethod", "LayerResult", "compact_layer", "ARCKV_SELECTORS", "AM_VARIANTS"]
+__all__ = ["LayerMethod", "LayerResult", "compact_layer", "anchor_scores", "ARCKV_SELECTORS", "AM_VARIANTS"]
 
 ARCKV_SELECTORS = {"arckv": "indexer", "arckv-ha": "ha", "arckv-vi": "vi"}
 AM_VARIANTS = {"am-omp": "omp", "am-omp-fast": "omp-fast", "am-ha": "ha"}
@@ -96,6 +96,30 @@ def _prefix_order(idx: torch.Tensor, valid: torch.Tensor, *others: torch.Tensor)
     return (take(idx), take(valid), *(take(o) for o in others))
 
 
+def anchor_scores(
+    method: LayerMethod,
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    V: torch.Tensor,
+    scaling: float,
+    X: torch.Tensor | None = None,
+    indexer=None,
+    layer_idx: int = 0,
+) -> torch.Tensor:
+    """Pooled anchor scores ``[H, T]`` of an ARC-KV method (learned indexer, HA or VI; Eq.
+    (indexer_pooling) with ``method.pooling``) from reference queries ``Q [H, n, D]``."""
+    selector = ARCKV_SELECTORS.get(method.name)
+    if selector is None:
+        raise ValueError(f"method {method.name!r} does not select anchors by scores")
+    if selector == "indexer":
+        if indexer is None or X is None:
+            raise ValueError("method 'arckv' needs the learned indexer and the activations X")
+        return indexer.scores(layer_idx, X, Q, K, V, pooling=method.pooling)
+    if selector == "ha":
+        return ha_scores(Q, K, scaling, pooling=method.pooling)
+    return vi_scores(Q, K, V, scaling, pooling=method.pooling)
+
+
 def compact_layer(
     K: torch.Tensor,
     V: torch.Tensor,
@@ -106,10 +130,13 @@ def compact_layer(
     X: torch.Tensor | None = None,
     indexer=None,
     layer_idx: int = 0,
+    scores: torch.Tensor | None = None,
 ) -> LayerResult:
     """Compact one layer: ``K, V [H, T, D]``, reference queries ``Q [H, n, D]``, ``budgets [H]``.
 
     ``X [n, d_x]`` (rows aligned with ``Q``'s rows) and ``indexer`` are needed by ``arckv``.
+    ``scores [H, T]``: anchor scores computed beforehand (e.g. from more queries than the fit
+    rows ``Q``, see :func:`anchor_scores`); ARC-KV methods then skip their own scoring.
     Returns padded ``(C_k, beta, C_v)`` with a prefix ``valid`` mask per head.
     """
     timings: dict[str, float] = {}
@@ -120,16 +147,11 @@ def compact_layer(
         idx, valid, C_k, beta, C_v = _prefix_order(idx, valid, C_k, beta, C_v)
         return LayerResult(C_k, beta, C_v, valid, idx, None, timings)
 
-    selector = ARCKV_SELECTORS[method.name]
     with watch("selection"):
-        if selector == "indexer":
-            if indexer is None or X is None:
-                raise ValueError("method 'arckv' needs the learned indexer and the activations X")
-            scores = indexer.scores(layer_idx, X, Q, K, V, pooling=method.pooling)
-        elif selector == "ha":
-            scores = ha_scores(Q, K, scaling, pooling=method.pooling)
-        else:
-            scores = vi_scores(Q, K, V, scaling, pooling=method.pooling)
+        if scores is None:
+            scores = anchor_scores(method, Q, K, V, scaling, X, indexer, layer_idx)
+        elif tuple(scores.shape) != tuple(K.shape[:2]):
+            raise ValueError(f"scores must have shape {tuple(K.shape[:2])} (heads x positions), got {tuple(scores.shape)}")
         idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
         idx, valid = _prefix_order(idx, valid)
     with watch("merge"):
@@ -140,5 +162,8 @@ def compact_layer(
     with watch("beta_fit"):
         beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit)
     with watch("value_fit"):
-        C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit)
+        prior = None
+        if method.fit.value_prior == "anchor":
+            prior = V.gather(1, idx[:, :, None].expand(-1, -1, V.shape[2])) * valid[:, :, None]
+        C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=prior)
     return LayerResult(C_k, beta.float(), C_v, valid, idx, w, timings)

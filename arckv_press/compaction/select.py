@@ -349,6 +349,48 @@ def per_head_budgets(
     return t.to(device)
 
 
+def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1) -> torch.Tensor:
+    """Per layer--KV-head budgets ``[L, H]`` from one global top-k over all heads' scores.
+
+    Context-adaptive alternative to the fixed weights of Eq. (per_head_budget) (the allocation
+    KVzip uses): the total stays ``L * H * floor(ratio * T)``, as with uniform budgets, but it
+    goes to the positions with the highest scores across every layer and head, so heads that
+    concentrate their attention on a few positions (retrieval / copy heads) get more anchors
+    and diffuse heads fewer. Each head first keeps its ``min_per_head`` best positions (Eq.
+    (per_head_budget)'s clip at 1); the rest of the total is the global top-k of the remaining
+    scores. Ties are broken by the lowest (layer, head, position) index (stable sort), so the
+    result is deterministic. Scores must be comparable across heads: pooled attention
+    probabilities (HA, the indexer's pooled softmax) are.
+
+    Args:
+        scores: ``[L, H, T]`` finite, nonnegative scores.
+        ratio: kept fraction in (0, 1].
+        min_per_head: anchors every head keeps (1 <= min_per_head <= T).
+    """
+    _check_float(scores, "scores", 3)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise TypeError(f"ratio must be a float, got {type(ratio).__name__}")
+    if not (math.isfinite(ratio) and 0.0 < ratio <= 1.0):
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    L, H, T = scores.shape
+    _check_positive_int(T, "T")
+    if not 1 <= min_per_head <= T:
+        raise ValueError(f"min_per_head must be in [1, T={T}], got {min_per_head}")
+    per_head = max(min_per_head, math.floor(ratio * T + _BUDGET_EPS))
+    total = L * H * per_head
+    flat = scores.detach().reshape(L * H, T).double()
+    # each head's ``min_per_head`` best positions are reserved first (stable: lowest position wins ties)
+    order = torch.sort(flat, dim=1, descending=True, stable=True).indices
+    reserved = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, order[:, :min_per_head], True)
+    rest = total - L * H * min_per_head
+    counts = torch.full((L * H,), min_per_head, dtype=torch.long, device=scores.device)
+    if rest > 0:
+        pool = flat.masked_fill(reserved, -math.inf).reshape(-1)
+        top = torch.sort(pool, descending=True, stable=True).indices[:rest]
+        counts += torch.bincount(top // T, minlength=L * H)
+    return counts.reshape(L, H)
+
+
 def _check_scores_budgets(scores: torch.Tensor, budgets) -> torch.Tensor:
     _check_float(scores, "scores", 2)
     H, T = scores.shape
@@ -440,6 +482,7 @@ __all__: Sequence[str] = (
     "ha_scores",
     "vi_scores",
     "per_head_budgets",
+    "global_budgets",
     "topk_anchors",
     "chunked_topk_anchors",
     "anchor_counts",

@@ -27,6 +27,11 @@ What is compacted:
   inside their context manager);
 - ``none``: nothing (full cache; still one prefill per document).
 
+``drop_document=True`` is the *no-context* baseline: the text between the markers is removed
+from every prompt (the markers, instruction and question stay), so the model answers from its
+own knowledge; requests then take the plain ``HFLM`` path and nothing is compacted (``press``
+must be ``none``). The leaderboard reads such runs as method ``no-context``.
+
 Requests whose context has no document markers (and ``loglikelihood_rolling``) are evaluated by
 the plain ``HFLM`` code with the full model; their count is logged. With ``ratio=1.0`` the scores
 equal those of ``--model hf`` up to float rounding (the compact layers then hold every position
@@ -61,6 +66,7 @@ parallelism); nothing is written otherwise. Fields:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from array import array
@@ -98,6 +104,7 @@ __all__ = [
     "document_token_span",
     "locate_document",
     "records_path",
+    "strip_document",
 ]
 
 
@@ -118,6 +125,26 @@ def locate_document(text: str) -> tuple[int, int] | None:
     if last < start:
         return None
     return start, last
+
+
+def strip_document(text: str) -> str:
+    """``text`` with the document between the markers removed (markers kept): the no-context prompt."""
+    span = locate_document(text)
+    if span is None:
+        return text
+    return text[: span[0]] + text[span[1] :]
+
+
+def _as_bool(value: Any, name: str) -> bool:
+    """A boolean from ``--model_args`` (``True``/``False``/``1``/``0`` strings or a bool)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise ValueError(f"hf-arckv: {name} must be true or false, got {value!r}")
 
 
 def document_token_span(offsets: list[tuple[int, int]], char_start: int, char_end: int) -> tuple[int, int]:
@@ -295,6 +322,8 @@ class HFArcKV(HFLM):
         records: JSON-lines file for the per-document records (default: next to ``--output_path``).
         max_cached_docs: size of the LRU of prefilled documents (default 1: requests are grouped
             by document, so one is enough within an lm-eval call).
+        drop_document: the no-context baseline (the document text is removed from every prompt;
+            needs ``press=none``).
         press_<option>: any other press option, e.g. ``press_window_size=32`` for SnapKV or
             ``press_query_budget=1024`` for ARC-KV.
         Other arguments go to ``HFLM`` (``dtype``, ``device``, ``max_length``, ``batch_size``, ...).
@@ -309,6 +338,7 @@ class HFArcKV(HFLM):
         indexer: str | None = None,
         records: str | None = None,
         max_cached_docs: int = 1,
+        drop_document: bool | str = False,
         device: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -321,6 +351,9 @@ class HFArcKV(HFLM):
             raise ValueError(f"hf-arckv: ratio is the kept fraction and must be in (0, 1], got {ratio!r}")
         if isinstance(max_cached_docs, bool) or not isinstance(max_cached_docs, int) or max_cached_docs < 1:
             raise ValueError(f"hf-arckv: max_cached_docs must be an int >= 1, got {max_cached_docs!r}")
+        drop_document = _as_bool(drop_document, "drop_document")
+        if drop_document and press != "none":
+            raise ValueError(f"hf-arckv: drop_document=True is the no-context baseline and needs press=none, got press={press!r}")
         press_options = {k[len("press_") :]: kwargs.pop(k) for k in list(kwargs) if k.startswith("press_")}
         if lambda_m is not None:
             press_options["lambda_m"] = float(lambda_m)
@@ -339,6 +372,7 @@ class HFArcKV(HFLM):
             self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
 
         self.press_name = press
+        self.drop_document = drop_document
         self.ratio = float(ratio)
         self.family = METHODS[press].family
         self.max_cached_docs = max_cached_docs
@@ -394,7 +428,7 @@ class HFArcKV(HFLM):
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()
-        info.update({"arckv_press": self.press_name, "arckv_ratio": self.ratio, "arckv_records": str(self._records_file or "")})
+        info.update({"arckv_press": self.press_name, "arckv_ratio": self.ratio, "arckv_drop_document": self.drop_document, "arckv_records": str(self._records_file or "")})
         return info
 
     # ------------------------------------------------------------------ document cache
@@ -578,8 +612,21 @@ class HFArcKV(HFLM):
         t0, t1 = document_token_span(offsets, *chars)
         return t0 + k, t1 + k
 
+    def _without_documents(self, requests):
+        """``requests`` with the document text removed (``drop_document``), else unchanged."""
+        if not self.drop_document:
+            return requests
+        out = []
+        for inst in requests:
+            args = inst.args
+            new = copy.copy(inst)
+            new.arguments = (strip_document(args[0]), *args[1:])
+            out.append(new)
+        return out
+
     # ------------------------------------------------------------------ loglikelihood
     def loglikelihood(self, requests, disable_tqdm: bool = False):
+        requests = self._without_documents(requests)
         self._pending_meta = [(getattr(r, "task_name", None), getattr(r, "doc_id", None)) for r in requests]
         try:
             return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
@@ -650,6 +697,7 @@ class HFArcKV(HFLM):
 
     # ------------------------------------------------------------------ generation
     def generate_until(self, requests, disable_tqdm: bool = False):
+        requests = self._without_documents(requests)
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         doc_reqs: list[_DocRequest] = []
         settings: dict[int, tuple[list[str], int]] = {}

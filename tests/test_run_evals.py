@@ -1,0 +1,63 @@
+"""scripts/run_evals.py: the plan, resumption by results.json, and the leaderboard reading its output."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def re_():
+    return _load("run_evals")
+
+
+def test_plan_orders_baselines_first_and_mild_ratios_first(re_):
+    runs = re_.plan(["ruler"], ["arckv", "snapkv", "none"], [0.05, 0.2])
+    names = [r.name for r in runs]
+    assert names == ["none_1", "no-context_1", "arckv_0.2", "snapkv_0.2", "arckv_0.05", "snapkv_0.05"]
+    assert re_.plan(["quality"], ["kvzip"], [0.1], baselines=False) == [re_.Run("quality", "kvzip", 0.1)]
+
+
+def test_list_skips_finished_runs_and_rejects_bad_input(re_, tmp_path, capsys):
+    done = re_.Run("ruler", "snapkv", 0.1).folder(tmp_path)
+    done.mkdir(parents=True)
+    (done / "results.json").write_text("{}")
+    assert re_.main(["--benchmarks", "ruler", "--methods", "snapkv", "--ratios", "0.1", "0.2", "--out", str(tmp_path), "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "4 runs planned, 1 done, 3 to run" in out
+    assert "done ruler      snapkv_0.1" in out and "todo ruler      snapkv_0.2" in out
+    for bad in (["--methods", "nope"], ["--ratios", "1.0"], ["--ratios", "0"]):
+        with pytest.raises(SystemExit):
+            re_.main(["--list", "--out", str(tmp_path), *bad])
+
+
+def test_leaderboard_reads_run_evals_output(re_, tmp_path):
+    """The model_args run_evals writes are parsed back into the right method and ratio."""
+    ml = _load("make_leaderboard")
+    for run, score in ((re_.Run("ruler", "arckv-ha", 0.05), 0.25), (re_.Run("ruler", "no-context", 1.0), 0.05),
+                       (re_.Run("ruler", "none", 1.0), 0.75)):
+        folder = run.folder(tmp_path)
+        folder.mkdir(parents=True)
+        data = {"results": {"ruler": {"alias": "ruler", "score,none": score}}, "group_subtasks": {"ruler": []},
+                "config": {"model": "hf-arckv", "model_args": re_.model_args_string(run, "/m/SmolLM2", "float32")},
+                "date": 1.7e9, "n-samples": {}}
+        (folder / "results.json").write_text(json.dumps(data))
+    rows = []
+    for path in sorted(tmp_path.rglob("results.json")):
+        rows += ml.read_results(path, {}, False, {})
+    got = {(r["method"], r["ratio"]): r["score"] for r in rows}
+    assert got == {("arckv-ha", "0.05"): 0.25, ("no-context", "0"): 0.05, ("none", "1"): 0.75}
