@@ -21,6 +21,7 @@ the keys and values compacted always come from the original prefill.
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -194,11 +195,13 @@ def repeat_prefill(
     if doc_ids.ndim != 2 or doc_ids.shape[0] != 1:
         raise ValueError(f"repeat-prefill supports batch size 1 only, got doc_ids of shape {tuple(doc_ids.shape)}")
     positions = _check_positions(positions, doc_ids.shape[1])
+    chunks = list(repeat_chunks(tokenizer, doc_ids.cpu(), suffix_ids, chunk_size))
+    _warn_past_window(model, cache.get_seq_length() + max(ids.shape[-1] for _, _, ids in chunks), chunk_size)
     snapshot = _snapshot(cache)
     store = CapturedQueries()
     try:
         with QueryCapture(model, layers, store) as cap:
-            for start, n, ids in repeat_chunks(tokenizer, doc_ids.cpu(), suffix_ids, chunk_size):
+            for start, n, ids in chunks:
                 sel = positions[(positions >= start) & (positions < start + n)]
                 if sel.numel():
                     offset = ids.shape[-1] - n  # repeated chunk sits at the end of the input
@@ -209,6 +212,25 @@ def repeat_prefill(
     finally:
         _restore(cache, snapshot)
     return store
+
+
+def _warn_past_window(model, furthest: int, chunk_size: int) -> None:
+    """Warn when the repeat-prefill runs past the model's trained positions (``max_position_embeddings``).
+
+    Each repeated chunk sits after the whole context, so the furthest position is about
+    ``context + prompt + chunk``: for a context close to the window, RoPE extrapolates and the
+    reference queries (and so the anchors) are less reliable. A smaller ``repeat_chunk`` helps
+    when the context itself fits with room to spare.
+    """
+    window = getattr(model.config, "max_position_embeddings", None)
+    if window is not None and furthest > window:
+        warnings.warn(
+            f"the repeat-prefill reaches position {furthest}, past the model's {window} trained positions "
+            f"(context + repeat prompt + a chunk of {chunk_size} tokens); reference queries past the window "
+            "are extrapolated. Use a shorter context or a smaller repeat_chunk.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_positions(positions, T: int) -> torch.Tensor:

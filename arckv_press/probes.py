@@ -22,7 +22,10 @@ from arckv_press.capture import framing_for
 from arckv_press.generation import answer
 from arckv_press.haystack import make_needle, needle_context
 
-__all__ = ["NEEDLE_INSTRUCTION", "needle_probe", "continuation_nll", "continuation_probe", "split_documents", "ProbeResult"]
+__all__ = [
+    "NEEDLE_INSTRUCTION", "needle_probe", "continuation_nll", "continuation_probe", "continuation_damage",
+    "reference_nlls", "split_documents", "ProbeResult",
+]
 
 NEEDLE_INSTRUCTION = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
@@ -84,27 +87,51 @@ def split_documents(tokenizer, text: str, n_docs: int, doc_tokens: int, cont_tok
     return out
 
 
-def continuation_probe(model, tokenizer, press_factory, documents, references: dict | None = None) -> tuple[ProbeResult, list[dict]]:
-    """Mean damage ratio over ``documents``; ``references`` caches (NLL_full, NLL_none) per document."""
+def reference_nlls(model, tokenizer, document: str, continuation: list[int]) -> tuple[float, float]:
+    """``(NLL_full, NLL_no_context)`` of ``continuation`` after the full document / the bare framing."""
     from arckv_press.registry import prefill_with_press
 
+    ids = _context_ids(tokenizer, document)
+    prefix = torch.tensor([framing_for(tokenizer).prefix_ids])
+    cont_ids = torch.tensor([continuation])
+    full = continuation_nll(model, prefill_with_press(model, None, ids), cont_ids, ids.shape[1])
+    none = continuation_nll(model, prefill_with_press(model, None, prefix), cont_ids, prefix.shape[1])
+    return full, none
+
+
+def continuation_damage(model, tokenizer, press, document: str, continuation: list[int],
+                        reference: tuple[float, float]) -> dict:
+    """Damage ratio of one document compacted by ``press`` (None = full cache).
+
+    ``reference`` is :func:`reference_nlls` of the document. Returns ``nll``, ``damage``
+    (``(nll - full) / (none - full)``, NaN when the document does not help its continuation),
+    ``seconds`` (prefill with the press) and ``cache_bytes`` (bytes the cache really holds).
+    """
+    from arckv_press.cache import cache_nbytes
+    from arckv_press.registry import prefill_with_press
+
+    ids = _context_ids(tokenizer, document)
+    t0 = time.perf_counter()
+    cache = prefill_with_press(model, press, ids)
+    seconds = time.perf_counter() - t0
+    nbytes = cache_nbytes(cache)  # before the continuation is appended
+    nll = continuation_nll(model, cache, torch.tensor([continuation]), ids.shape[1])
+    full, none = reference
+    damage = (nll - full) / (none - full) if none - full > 1e-6 else math.nan
+    return {"nll": nll, "damage": damage, "seconds": seconds, "cache_bytes": nbytes}
+
+
+def continuation_probe(model, tokenizer, press_factory, documents, references: dict | None = None) -> tuple[ProbeResult, list[dict]]:
+    """Mean damage ratio over ``documents``; ``references`` caches (NLL_full, NLL_none) per document."""
     references = {} if references is None else references
     damages, seconds, rows = [], 0.0, []
-    prefix = torch.tensor([framing_for(tokenizer).prefix_ids])
     for i, (doc, cont) in enumerate(documents):
-        ids = _context_ids(tokenizer, doc)
-        cont_ids = torch.tensor([cont])
         if i not in references:
-            full = continuation_nll(model, prefill_with_press(model, None, ids), cont_ids, ids.shape[1])
-            none = continuation_nll(model, prefill_with_press(model, None, prefix), cont_ids, prefix.shape[1])
-            references[i] = (full, none)
+            references[i] = reference_nlls(model, tokenizer, doc, cont)
         full, none = references[i]
-        t0 = time.perf_counter()
-        cache = prefill_with_press(model, press_factory(), ids)
-        seconds += time.perf_counter() - t0
-        nll = continuation_nll(model, cache, cont_ids, ids.shape[1])
-        damage = (nll - full) / (none - full) if none - full > 1e-6 else math.nan
-        damages.append(damage)
-        rows.append({"doc": i, "nll": nll, "nll_full": full, "nll_none": none, "damage": damage})
+        res = continuation_damage(model, tokenizer, press_factory(), doc, cont, references[i])
+        seconds += res["seconds"]
+        damages.append(res["damage"])
+        rows.append({"doc": i, "nll": res["nll"], "nll_full": full, "nll_none": none, "damage": res["damage"]})
     finite = [d for d in damages if not math.isnan(d)]
     return ProbeResult(sum(finite) / max(1, len(finite)), len(finite), seconds), rows

@@ -16,6 +16,10 @@ Inputs (all optional; glob patterns, repeatable):
   the leaderboard holds their means.
 - ``--needle`` (default ``<out-dir>/needle.csv``): ``scripts/needle.py`` rows become benchmark
   ``needle`` rows (score = fraction correct).
+- ``--fidelity`` (default ``<out-dir>/bench_fidelity.csv``): ``scripts/bench_fidelity.py`` rows
+  become benchmark ``fidelity`` rows, task ``continuation`` (score = 1 - mean damage over the
+  documents: 1 = as good as the full cache, 0 = as good as no context), with the full cache
+  (method ``none``, score 1) and no context (method ``no-context``, score 0) as references.
 - ``--probes`` (default ``<out-dir>/probes.csv``): plotted only (damage and needle fraction per
   config).
 
@@ -237,6 +241,37 @@ def read_needle(path: Path, common: dict[str, str]) -> list[dict]:
     return rows
 
 
+def read_fidelity(path: Path, common: dict[str, str]) -> list[dict]:
+    """``scripts/bench_fidelity.py`` CSV -> one row per (model, method, ratio): 1 - mean damage.
+
+    Rows whose damage is undefined (``nan``: the document did not help its continuation) are left
+    out; the full cache (1) and no context (0) are added per model as reference rows.
+    """
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    with open(path, newline="", encoding="utf-8") as f:
+        for r in csv.DictReader(f):
+            if r["damage"] not in ("", "nan"):
+                groups[(r["model"], r["method"], fmt_ratio(r["ratio"]))].append(r)
+    rows = []
+    for (model, method, ratio), rs in sorted(groups.items()):
+        rows.append({
+            "model": model, "benchmark": "fidelity", "task": "continuation", "method": method, "ratio": ratio,
+            "score": 1.0 - mean(float(r["damage"]) for r in rs), "metric": "1-damage",
+            "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
+            "cache_bytes": mean(float(r["cache_bytes"]) for r in rs),
+            "n_examples": len(rs), "n_records": len(rs), "source": str(path),
+            "date": max(r["date"] for r in rs), **common,
+            "package_version": rs[0].get("package_version", common["package_version"]),
+        })
+    for model in sorted({r["model"] for r in rows}):
+        date = max(r["date"] for r in rows if r["model"] == model)
+        for method, ratio, score in (("none", "1", 1.0), ("no-context", "0", 0.0)):
+            rows.append({"model": model, "benchmark": "fidelity", "task": "continuation", "method": method,
+                         "ratio": ratio, "score": score, "metric": "1-damage", "source": str(path), "date": date,
+                         **common})
+    return rows
+
+
 # ---------------------------------------------------------------------------- table
 def key_of(row: dict) -> tuple[str, ...]:
     return tuple(str(row[k]) if k != "ratio" else fmt_ratio(row[k]) for k in KEY)
@@ -391,6 +426,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nocontext-results", nargs="*", default=[], help="lm-eval results of no-document runs")
     p.add_argument("--records", nargs="*", default=[], help="arckv_compaction_*.jsonl glob(s)")
     p.add_argument("--needle", default=None, help="needle CSV (default <out-dir>/needle.csv if present)")
+    p.add_argument("--fidelity", default=None, help="bench_fidelity CSV (default <out-dir>/bench_fidelity.csv if present)")
     p.add_argument("--probes", default=None, help="probes CSV (default <out-dir>/probes.csv if present)")
     p.add_argument("--out-dir", default=str(REPO / "leaderboards"))
     p.add_argument("--no-plots", action="store_true")
@@ -416,6 +452,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     needle = Path(args.needle) if args.needle else out_dir / "needle.csv"
     if args.needle or needle.exists():
         new += read_needle(needle, common)
+    fidelity = Path(args.fidelity) if args.fidelity else out_dir / "bench_fidelity.csv"
+    if args.fidelity or fidelity.exists():
+        new += read_fidelity(fidelity, common)
 
     out = out_dir / "leaderboard.csv"
     rows = merge(read_csv(out), new)

@@ -15,6 +15,7 @@ docstring), not with ``capture.repeat_chunks``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -239,6 +240,26 @@ def test_repeat_prefill_restores_cache_on_error(tiny_model, tiny_tokenizer):
     assert len(calls) == 2
     assert_same_cache(cache, before)
     assert not model.model.layers[1].self_attn._forward_pre_hooks  # capture hooks removed
+
+
+def test_repeat_prefill_warns_past_the_trained_window(tiny_model, tiny_tokenizer):
+    tok = tiny_tokenizer()
+    ids, P = context_ids(tok, make_text(40, seed=4))
+    suffix = framing_for(tok).suffix_ids
+    first = len(tok.encode(REPEAT_PROMPT, add_special_tokens=False))
+    later = len(tok.encode(REPEAT_CHUNK_PROMPT, add_special_tokens=False)) + 8  # + 8 overlap tokens
+    furthest = ids.shape[1] + max(first, later) + len(suffix) + 16  # context + prompt + suffix + a chunk of 16
+    for window, warns in ((furthest - 1, True), (furthest, False)):
+        model = tiny_model("llama", max_position_embeddings=window)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache = DynamicCache(config=model.config)
+            prefill(model, ids, cache)
+            repeat_prefill(model, tok, cache, ids[:, P:], suffix, [0], torch.arange(0, 40, 4), chunk_size=16)
+        hits = [w for w in caught if "past the model's" in str(w.message)]
+        assert bool(hits) == warns, (window, [str(w.message) for w in caught])
+        if warns:
+            assert f"reaches position {furthest}" in str(hits[0].message)
 
 
 def test_repeat_prefill_bad_input(tiny_model, tiny_tokenizer):

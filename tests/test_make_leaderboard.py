@@ -164,6 +164,28 @@ def test_needle_and_probes(ml, tmp_path):
     assert (out / "needle_score_vs_ratio.png").exists() and (out / "probes.png").exists()
 
 
+def test_fidelity_rows_score_one_minus_mean_damage(ml, tmp_path):
+    out = tmp_path / "lb"
+    out.mkdir()
+    head = ("method,ratio,doc,doc_tokens,cont_tokens,nll,nll_full,nll_none,damage,compaction_s,cache_bytes,"
+            "model,command,date,package_version,machine\n")
+    body = (
+        "arckv,0.1,0,1500,256,2.1,2.0,3.0,0.1,10.0,100,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+        "arckv,0.1,1,1500,256,2.3,2.0,3.0,0.3,20.0,300,m,c,2026-01-02T00:00:00Z,0.1.0,x\n"
+        "arckv,0.1,2,1500,256,2.3,2.3,2.3,nan,30.0,900,m,c,2026-01-02T00:00:00Z,0.1.0,x\n"
+        "snapkv,0.1,0,1500,256,2.5,2.0,3.0,0.5,1.0,50,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+    )
+    (out / "bench_fidelity.csv").write_text(head + body)
+    ml.main(["--out-dir", str(out)])
+    rows = read(out / "leaderboard.csv")
+    arckv = row(rows, benchmark="fidelity", method="arckv")
+    assert float(arckv["score"]) == pytest.approx(1 - (0.1 + 0.3) / 2)  # the nan document is left out
+    assert float(arckv["compaction_seconds"]) == pytest.approx(15.0) and arckv["n_examples"] == "2"
+    assert float(row(rows, benchmark="fidelity", method="snapkv")["score"]) == pytest.approx(0.5)
+    assert float(arckv["full_score"]) == 1.0 and float(arckv["nocontext_score"]) == 0.0
+    assert (out / "fidelity_score_vs_ratio.png").exists()
+
+
 def test_bad_inputs(ml, tmp_path):
     with pytest.raises(ValueError, match="no file matches"):
         ml.main(["--results", str(tmp_path / "nothing_*.json"), "--out-dir", str(tmp_path)])

@@ -1,0 +1,107 @@
+"""The continuation-damage probe (``arckv_press.probes``) and ``scripts/bench_fidelity.py``'s summary,
+against independent references: one plain forward over the concatenated ids, and hand-computed
+means."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from arckv_press.capture import framing_for
+from arckv_press.probes import continuation_damage, continuation_probe, reference_nlls
+from arckv_press.registry import make_press
+from conftest import make_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _plain_nll(model, ids: list[int], n_cont: int) -> float:
+    """NLL of the last ``n_cont - 1`` tokens of ``ids`` from one forward over all of them."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    start = len(ids) - n_cont
+    return float(torch.nn.functional.cross_entropy(logits[start:-1], torch.tensor(ids[start + 1:])))
+
+
+@pytest.fixture
+def tiny_setup(tiny_model, tiny_tokenizer, one_torch_thread):
+    model, tok = tiny_model("llama", num_layers=2, seed=3), tiny_tokenizer()
+    doc = make_text(300, seed=1)
+    cont = tok.encode(make_text(40, seed=2), add_special_tokens=False)
+    return model, tok, doc, cont
+
+
+def test_reference_nlls_match_one_plain_forward(tiny_setup):
+    model, tok, doc, cont = tiny_setup
+    prefix = framing_for(tok).prefix_ids
+    full, none = reference_nlls(model, tok, doc, cont)
+    doc_ids = tok.encode(doc, add_special_tokens=False)
+    assert full == pytest.approx(_plain_nll(model, prefix + doc_ids + cont, len(cont)), abs=1e-4)
+    assert none == pytest.approx(_plain_nll(model, prefix + cont, len(cont)), abs=1e-4)
+
+
+def test_full_cache_has_zero_damage_and_an_evicting_press_has_positive_nll_change(tiny_setup):
+    model, tok, doc, cont = tiny_setup
+    ref = reference_nlls(model, tok, doc, cont)
+    res = continuation_damage(model, tok, None, doc, cont, ref)
+    assert res["nll"] == pytest.approx(ref[0], abs=1e-5) and res["damage"] == pytest.approx(0.0, abs=1e-3)
+    n_ctx = len(framing_for(tok).prefix_ids) + len(tok.encode(doc, add_special_tokens=False))
+    layer = model.config.num_hidden_layers
+    per_token = 2 * model.config.num_key_value_heads * model.config.head_dim * 4  # fp32 keys + values
+    assert res["cache_bytes"] == layer * n_ctx * per_token  # measured before the continuation is appended
+
+    pruned = continuation_damage(model, tok, make_press("streaming_llm", 0.2), doc, cont, ref)
+    full, none = ref
+    assert pruned["damage"] == pytest.approx((pruned["nll"] - full) / (none - full), rel=1e-6)
+    assert pruned["nll"] != pytest.approx(full, abs=1e-4)  # something was really evicted
+    assert pruned["cache_bytes"] < res["cache_bytes"]
+
+
+def test_continuation_probe_averages_the_per_document_damages(tiny_setup, tiny_tokenizer):
+    model, tok, doc, cont = tiny_setup
+    docs = [(doc, cont), (make_text(280, seed=5), cont)]
+    result, rows = continuation_probe(model, tok, lambda: make_press("streaming_llm", 0.3), docs)
+    expected = [continuation_damage(model, tok, make_press("streaming_llm", 0.3), d, c, reference_nlls(model, tok, d, c))
+                for d, c in docs]
+    assert [r["damage"] for r in rows] == pytest.approx([e["damage"] for e in expected], abs=1e-6)
+    assert result.value == pytest.approx(statistics.mean(e["damage"] for e in expected), abs=1e-6)
+    assert result.count == 2
+
+
+def _load_bench_fidelity():
+    spec = importlib.util.spec_from_file_location("bench_fidelity", ROOT / "scripts" / "bench_fidelity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_fidelity_summary_uses_only_this_configuration():
+    bench = _load_bench_fidelity()
+    base = {"doc_tokens": "100", "cont_tokens": "20", "model": "m"}
+    rows = [
+        {"method": "arckv", "ratio": "0.1", "doc": "0", "damage": "0.2", **base},
+        {"method": "arckv", "ratio": "0.1", "doc": "1", "damage": "0.4", **base},
+        {"method": "snapkv", "ratio": "0.1", "doc": "0", "damage": "0.6", **base},
+        {"method": "snapkv", "ratio": "0.1", "doc": "1", "damage": "0.9", **base},
+        {"method": "snapkv", "ratio": "0.1", "doc": "2", "damage": "5.0", **base},  # beyond --docs 2
+        {"method": "snapkv", "ratio": "0.1", "doc": "0", "damage": "9.0", **{**base, "doc_tokens": "200"}},
+        {"method": "snapkv", "ratio": "0.1", "doc": "1", "damage": "nan", **{**base, "model": "other"}},
+    ]
+    text = bench.summarize(rows, ["arckv", "snapkv"], [0.1], 2, 100, 20, "m")
+    arckv_line = next(line for line in text.splitlines() if line.startswith("arckv "))
+    snap_lines = [line for line in text.splitlines() if line.startswith("snapkv")]
+    sd = statistics.stdev([0.2, 0.4])
+    assert f"+0.300 +- {sd:.3f} (2)" in arckv_line
+    assert f"+0.750 +- {statistics.stdev([0.6, 0.9]):.3f} (2)" in snap_lines[0]
+    assert f"{0.75 / 0.3:.2f}x" in snap_lines[1]
+    assert math.isclose(0.75 / 0.3, 2.5)
+
+
+def test_bench_fidelity_key_is_stable_across_formatting():
+    bench = _load_bench_fidelity()
+    assert bench.row_key("a", "0.1", "3", "1500", "256", "m") == bench.row_key("a", 0.1, 3, 1500, 256, "m")
