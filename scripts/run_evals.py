@@ -87,26 +87,29 @@ def task_setup(run: Run, args) -> tuple[list[str], dict, int | None]:
     return tasks, {"max_length": args.longbench_length}, args.limit
 
 
-def model_args_string(run: Run, model_path: str, dtype: str) -> str:
-    """The ``--model_args`` an equivalent ``lm_eval --model hf-arckv`` command would take."""
+def model_args_string(run: Run, model_path: str | None, dtype: str) -> str:
+    """The ``--model_args`` an equivalent ``lm_eval --model hf-arckv`` command would take
+    (``model_path`` None: the embedded default model, which ``hf-arckv`` loads without ``pretrained``)."""
+    model = f"pretrained={model_path}," if model_path else ""
     if run.method == "no-context":
-        return f"pretrained={model_path},press=none,ratio=1.0,drop_document=True,dtype={dtype}"
-    return f"pretrained={model_path},press={run.method},ratio={run.ratio:g},dtype={dtype}"
+        return f"{model}press=none,ratio=1.0,drop_document=True,dtype={dtype}"
+    return f"{model}press={run.method},ratio={run.ratio:g},dtype={dtype}"
 
 
-def equivalent_command(run: Run, args, model_path: str) -> str:
+def equivalent_command(run: Run, args, model_path: str | None) -> str:
     tasks, metadata, limit = task_setup(run, args)
     cmd = (f"lm_eval --model hf-arckv --model_args {model_args_string(run, model_path, args.dtype)} "
            f"--tasks {','.join(tasks)} --include_path tasks --device cpu --metadata '{json.dumps(metadata)}'")
     return cmd + (f" --limit {limit}" if limit else "")
 
 
-def execute(run: Run, args, model, tokenizer, model_path: str) -> dict:
+def execute(run: Run, args, model, tokenizer, model_path: str | None) -> dict:
     """Run one (benchmark, method, ratio) and write its ``results.json``."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from arckv_press.lm_eval.model import HFArcKV
+    from arckv_press.models import model_id
     from arckv_press.runinfo import machine_info
 
     folder = run.folder(args.out)
@@ -131,7 +134,7 @@ def execute(run: Run, args, model, tokenizer, model_path: str) -> dict:
     data["config"] = {"model": "hf-arckv", "model_args": model_args_string(run, model_path, args.dtype),
                       "limit": limit, "metadata": metadata}
     data["date"] = time.time()
-    data["model_name"] = model_path
+    data["model_name"] = model_id(model)  # the HF id, not a machine's local folder
     data["arckv_run"] = {
         "benchmark": run.benchmark, "method": run.method, "ratio": run.ratio, "seconds": seconds,
         "command": equivalent_command(run, args, model_path), "machine": machine_info(),
@@ -196,11 +199,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_path = default_model_path()
-    model, tokenizer = load_model(model_path, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_model(default_model_path(), dtype=getattr(torch, args.dtype))
     for i, run in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] {run.benchmark} {run.name}", flush=True)
-        data = execute(run, args, model, tokenizer, model_path)
+        data = execute(run, args, model, tokenizer, None)
         print(f"    {data['arckv_run']['seconds']:.0f}s  {summary_line(data)}", flush=True)
     return 0
 

@@ -45,19 +45,24 @@ def test_list_skips_finished_runs_and_rejects_bad_input(re_, tmp_path, capsys):
             re_.main(["--list", "--out", str(tmp_path), *bad])
 
 
-def test_leaderboard_reads_run_evals_output(re_, tmp_path):
-    """The model_args run_evals writes are parsed back into the right method and ratio."""
+@pytest.mark.parametrize("model_path", ["/m/SmolLM2", None])
+def test_leaderboard_reads_run_evals_output(re_, tmp_path, model_path):
+    """The model_args run_evals writes are parsed back into the right method and ratio; for the
+    embedded default (no ``pretrained``) the leaderboard names the model by its HF id."""
     ml = _load("make_leaderboard")
+    hf_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
     for run, score in ((re_.Run("ruler", "arckv-ha", 0.05), 0.25), (re_.Run("ruler", "no-context", 1.0), 0.05),
                        (re_.Run("ruler", "none", 1.0), 0.75)):
         folder = run.folder(tmp_path)
         folder.mkdir(parents=True)
         data = {"results": {"ruler": {"alias": "ruler", "score,none": score}}, "group_subtasks": {"ruler": []},
-                "config": {"model": "hf-arckv", "model_args": re_.model_args_string(run, "/m/SmolLM2", "float32")},
-                "date": 1.7e9, "n-samples": {}}
+                "config": {"model": "hf-arckv", "model_args": re_.model_args_string(run, model_path, "float32")},
+                "date": 1.7e9, "n-samples": {}, "model_name": hf_id}
         (folder / "results.json").write_text(json.dumps(data))
     rows = []
     for path in sorted(tmp_path.rglob("results.json")):
         rows += ml.read_results(path, {}, False, {})
     got = {(r["method"], r["ratio"]): r["score"] for r in rows}
     assert got == {("arckv-ha", "0.05"): 0.25, ("no-context", "0"): 0.05, ("none", "1"): 0.75}
+    assert {r["model"] for r in rows} == {model_path or hf_id}
+    assert ("pretrained=" in re_.model_args_string(re_.Run("ruler", "snapkv", 0.1), model_path, "float32")) == bool(model_path)
