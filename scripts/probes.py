@@ -5,7 +5,7 @@
 
 A config is ``METHOD[:key=value,...]`` with keys ``ctx`` (share of reference queries from the
 context's own prefill: 0 = repeat-prefill only, the paper's default), ``pool`` (rms, mean,
-max), ``alloc`` (global, fixed) and ``score`` (all, budget); ``alloc=fixed,score=budget`` is
+max), ``alloc`` (global, fixed), ``score`` (all, budget) and ``lam`` (lambda_m, key merging); ``alloc=fixed,score=budget`` is
 the paper's exact setting. Results are appended to ``leaderboards/probes.csv`` (resumable: finished rows are skipped);
 the haystack and documents are the Paul Graham essays in ``../shared/data/ruler/pg_essays.txt``.
 """
@@ -45,8 +45,10 @@ def parse_config(text: str) -> tuple[str, dict]:
             options.setdefault("config_options", {})["allocation"] = value
         elif key == "score":
             options.setdefault("config_options", {})["score_queries"] = value
+        elif key == "lam":
+            options["lambda_m"] = float(value)
         else:
-            raise ValueError(f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, score=)")
+            raise ValueError(f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, score=, lam=)")
     return method, options
 
 
