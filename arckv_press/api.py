@@ -217,6 +217,7 @@ def compact(
     return compact_prefilled(model, tokenizer, cache, ids, prefix_len, config, use_chat_template=use_chat_template)
 
 
+@torch.no_grad()
 def compact_prefilled(
     model,
     tokenizer,
@@ -233,7 +234,9 @@ def compact_prefilled(
     ``cache`` is prefilled here unless ``already_prefilled`` (the press path, where kvpress's
     pipeline ran the prefill; then ``context_queries`` holds queries captured during it, if any).
     The compacted layers of ``cache`` are replaced by :class:`CompactLayer` objects; a
-    ``CompactCache`` sharing those layers is returned.
+    ``CompactCache`` sharing those layers is returned. Runs under ``torch.no_grad()``: with
+    autograd on, the prefill, repeat-prefill and fits would keep their graphs alive (measured:
+    a 2K-token document on the default model peaked at 16.9 GB of RSS instead of 2.5 GB).
     """
     from arckv_press.models import config_hash, describe_attention_layout, model_id
 
