@@ -5,8 +5,9 @@
 
 A config is ``METHOD[:key=value,...]`` with keys ``ctx`` (share of reference queries from the
 context's own prefill: 0 = repeat-prefill only, the paper's default), ``pool`` (rms, mean,
-max), ``alloc`` (global, fixed), ``score`` (all, budget) and ``lam`` (lambda_m, key merging); ``alloc=fixed,score=budget`` is
-the paper's exact setting. Results are appended to ``leaderboards/probes.csv`` (resumable: finished rows are skipped);
+max), ``alloc`` (global, fixed), ``score`` (all, budget), ``lam`` (lambda_m, key merging), and the value fit: ``values`` (fit: paper Eq. (value_lstsq);
+anchor: keep the anchors' own values), ``prior`` (zero, anchor) and ``ridge`` (relative lambda_v);
+``alloc=fixed,score=budget`` is the paper's exact setting. Results are appended to ``leaderboards/probes.csv`` (resumable: finished rows are skipped);
 the haystack and documents are the Paul Graham essays in ``../shared/data/ruler/pg_essays.txt``.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import platform
 import sys
@@ -23,18 +25,28 @@ from pathlib import Path
 import torch
 
 from arckv_press import __version__
+from arckv_press.compaction.fit import FitConfig
 from arckv_press.haystack import load_haystack
 from arckv_press.models import load_model
 from arckv_press.probes import continuation_probe, needle_probe, split_documents
 from arckv_press.registry import make_press
 
+FIT_KEYS = {"values": "values", "prior": "value_prior", "ridge": "ridge_v"}  # probe key -> FitConfig field
 FIELDS = ["config", "method", "ratio", "options", "needle_found", "needle_total", "damage", "damage_docs",
           "compaction_seconds", "date", "version", "command"]
+
+
+def _jsonable(obj):
+    """FitConfig (and other dataclasses) in the options column: their non-default fields."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if getattr(obj, f.name) != f.default}
+    raise TypeError(f"cannot record {type(obj).__name__} in the options column")
 
 
 def parse_config(text: str) -> tuple[str, dict]:
     method, _, rest = text.partition(":")
     options: dict = {}
+    fit: dict = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         if key == "ctx":
@@ -47,8 +59,14 @@ def parse_config(text: str) -> tuple[str, dict]:
             options.setdefault("config_options", {})["score_queries"] = value
         elif key == "lam":
             options["lambda_m"] = float(value)
+        elif key in FIT_KEYS:
+            fit[FIT_KEYS[key]] = float(value) if key == "ridge" else value
         else:
-            raise ValueError(f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, score=, lam=)")
+            raise ValueError(
+                f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, score=, lam=, values=, prior=, ridge=)"
+            )
+    if fit:
+        options.setdefault("config_options", {})["fit"] = FitConfig(**fit)
     return method, options
 
 
@@ -101,7 +119,7 @@ def main(argv=None) -> int:
                 needle, _ = needle_probe(model, tok, factory, haystack, args.needle_tokens, args.depths, args.seeds)
                 cont, _ = continuation_probe(model, tok, factory, documents, references)
                 row = {
-                    "config": config, "method": method, "ratio": ratio, "options": json.dumps(options),
+                    "config": config, "method": method, "ratio": ratio, "options": json.dumps(options, default=_jsonable),
                     "needle_found": round(needle.value * needle.count), "needle_total": needle.count,
                     "damage": round(cont.value, 4), "damage_docs": cont.count,
                     "compaction_seconds": round((needle.seconds + cont.seconds) / (needle.count + len(documents)), 2),

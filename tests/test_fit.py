@@ -275,3 +275,35 @@ def test_bad_inputs():
         attention_mass_error(Q, K, C, beta[:, :3], 0.4)
     with pytest.raises(TypeError, match="config"):
         fit_beta(Q, K, C, 0.4, config={"eps_w": 1.0})
+
+
+# ----------------------------------------------------------------- values="anchor"
+
+
+def test_anchor_values_keep_the_original_values_and_the_same_beta():
+    """``FitConfig(values="anchor")``: C_v is V at the anchor positions exactly (no solve), while
+    the anchors, merged keys and beta are those of the default ``values="fit"`` run; the fitted
+    C_v differs from V_S (so the option changes something)."""
+    from arckv_press.compaction.layer import LayerMethod, compact_layer
+
+    Q, K, V, _ = _problem(H=3, n=60, T=30)
+    budgets = torch.tensor([5, 7, 3])
+    fitted = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha"))
+    kept = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", fit=FitConfig(values="anchor")))
+    for a, b in [(fitted.anchors, kept.anchors), (fitted.valid, kept.valid), (fitted.C_k, kept.C_k), (fitted.beta, kept.beta)]:
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for h in range(3):
+        n = int(budgets[h])
+        assert kept.valid[h].sum() == n
+        np.testing.assert_array_equal(kept.C_v[h, :n].numpy(), V[h, kept.anchors[h, :n]].numpy())
+        assert not torch.allclose(fitted.C_v[h, :n], kept.C_v[h, :n])
+        assert bool((kept.C_v[h, n:] == 0).all())
+
+
+def test_anchor_values_bad_inputs():
+    from arckv_press.compaction.layer import LayerMethod
+
+    with pytest.raises(ValueError, match="values must be one of"):
+        FitConfig(values="copy")
+    with pytest.raises(ValueError, match="ARC-KV methods only"):
+        LayerMethod("am-omp", fit=FitConfig(values="anchor"))

@@ -5,7 +5,9 @@ means."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import sys
 import statistics
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from arckv_press.capture import framing_for
+from arckv_press.compaction.fit import FitConfig
 from arckv_press.probes import continuation_damage, continuation_probe, reference_nlls
 from arckv_press.registry import make_press
 from conftest import make_text
@@ -105,3 +108,26 @@ def test_bench_fidelity_summary_uses_only_this_configuration():
 def test_bench_fidelity_key_is_stable_across_formatting():
     bench = _load_bench_fidelity()
     assert bench.row_key("a", "0.1", "3", "1500", "256", "m") == bench.row_key("a", 0.1, 3, 1500, 256, "m")
+
+
+def test_probe_config_parsing_builds_press_options():
+    """scripts/probes.py configs: ``METHOD:key=value,...`` -> make_press options, the fit keys
+    folded into one FitConfig, and the options column records only what differs from defaults."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "probes.py"
+    spec = importlib.util.spec_from_file_location("probes_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+
+    method, options = mod.parse_config("arckv-ha:values=anchor,ridge=0.1,pool=max,lam=0")
+    assert method == "arckv-ha"
+    assert options == {"config_options": {"fit": FitConfig(values="anchor", ridge_v=0.1), "pooling": "max"}, "lambda_m": 0.0}
+    assert json.loads(json.dumps(options, default=mod._jsonable)) == {
+        "config_options": {"fit": {"ridge_v": 0.1, "values": "anchor"}, "pooling": "max"}, "lambda_m": 0.0}
+    config = make_press(method, 0.2, **options).compaction_config()
+    assert config.fit.values == "anchor" and config.pooling == "max" and config.lambda_m == 0.0
+    assert mod.parse_config("kvzip") == ("kvzip", {})
+    with pytest.raises(ValueError, match="unknown option 'foo'"):
+        mod.parse_config("arckv:foo=1")
+    with pytest.raises(ValueError, match="values must be one of"):
+        mod.parse_config("arckv:values=copy")

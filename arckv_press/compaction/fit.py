@@ -36,6 +36,7 @@ from .select import (
 logger = logging.getLogger(__name__)
 
 MASS_SOLVERS = ("ls_clamp", "nnls")
+VALUE_MODES = ("fit", "anchor")
 _PIVOT_RTOL = 1e-13  # Cholesky pivots below this fraction of their diagonal count as zero
 
 
@@ -67,6 +68,11 @@ class FitConfig:
         lambda ||C_v||^2) or "anchor" (lambda ||C_v - V_S||^2 with V_S the original values at
         the anchor positions, so a large ridge falls back to plain eviction's values instead
         of to zero; see the README's needle evidence for why this matters).
+    values: "fit" (paper Eq. (value_lstsq), the default) or "anchor": C_v = V_S, the original
+        values at the anchor positions, with no value solve (beta and the merged C_k are still
+        fitted). Measured on the default model, the ridge fit of C_v is what loses exact
+        copying of a planted needle while "anchor" keeps it (README, "Why ARC-KV loses
+        needles"); ARC-KV methods only (the AM baselines always fit C_v).
     block_rows: query rows per block.
     nnls_max_iter: cap on Lawson--Hanson iterations (None: 3 * t + 10).
     """
@@ -79,6 +85,7 @@ class FitConfig:
     ridge_v: float = 1e-3
     ridge_relative: bool = True
     value_prior: str = "zero"
+    values: str = "fit"
     block_rows: int = 1024
     nnls_max_iter: int | None = None
 
@@ -95,6 +102,8 @@ class FitConfig:
             raise ValueError(f"ridge_v must be finite and >= 0, got {self.ridge_v}")
         if self.value_prior not in ("zero", "anchor"):
             raise ValueError(f"value_prior must be 'zero' or 'anchor', got {self.value_prior!r}")
+        if self.values not in VALUE_MODES:
+            raise ValueError(f"values must be one of {VALUE_MODES}, got {self.values!r}")
         _check_positive_int(self.block_rows, "block_rows")
         if self.nnls_max_iter is not None:
             _check_positive_int(self.nnls_max_iter, "nnls_max_iter")

@@ -6,7 +6,7 @@ as an object with a ``scores(layer, X, Q, K, V, pooling)`` method). Methods:
 - ``arckv`` (learned indexer), ``arckv-ha``, ``arckv-vi``: top-t anchors from the scorer
   (chunked for long contexts, App. (KV-Based Chunking)), convex-hull key merging with
   ``lambda_m`` (Eqs. (response_profile)-(key_merge)), then beta (Eq. (mass_fit)) and C_v
-  (Eq. (value_lstsq)).
+  (Eq. (value_lstsq); or the anchors' own values with ``fit.values="anchor"``).
 - ``am-omp``, ``am-omp-fast``, ``am-ha``: the Attention Matching baselines (:mod:`.omp`).
 """
 
@@ -57,6 +57,11 @@ class LayerMethod:
             )
         if not 0.0 <= self.lambda_m <= 1.0:
             raise ValueError(f"lambda_m must be in [0, 1], got {self.lambda_m}")
+        if self.name in AM_VARIANTS and self.fit.values != "fit":
+            raise ValueError(
+                f"fit.values={self.fit.values!r} applies to ARC-KV methods only; the Attention Matching "
+                f"baseline {self.name!r} always fits C_v (paper Eq. (value_lstsq))"
+            )
 
 
 @dataclass
@@ -162,8 +167,10 @@ def compact_layer(
     with watch("beta_fit"):
         beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit)
     with watch("value_fit"):
-        prior = None
-        if method.fit.value_prior == "anchor":
-            prior = V.gather(1, idx[:, :, None].expand(-1, -1, V.shape[2])) * valid[:, :, None]
-        C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=prior)
+        V_S = V.gather(1, idx[:, :, None].expand(-1, -1, V.shape[2])) * valid[:, :, None]
+        if method.fit.values == "anchor":
+            C_v = V_S
+        else:
+            prior = V_S if method.fit.value_prior == "anchor" else None
+            C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=prior)
     return LayerResult(C_k, beta.float(), C_v, valid, idx, w, timings)
