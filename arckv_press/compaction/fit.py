@@ -70,9 +70,10 @@ class FitConfig:
         of to zero; see the README's needle evidence for why this matters).
     values: "fit" (paper Eq. (value_lstsq), the default) or "anchor": C_v = V_S, the original
         values at the anchor positions, with no value solve (beta and the merged C_k are still
-        fitted). Measured on the default model, the ridge fit of C_v is what loses exact
-        copying of a planted needle while "anchor" keeps it (README, "Why ARC-KV loses
-        needles"); ARC-KV methods only (the AM baselines always fit C_v).
+        fitted). A diagnostic option: on one needle with max-pooled HA anchors the ridge fit
+        lost exact copying and "anchor" kept it, but with the default anchors "anchor" found
+        1/6 needles and raised continuation damage from 0.13 to 0.77 (README, "Why ARC-KV
+        loses needles"). ARC-KV methods only (the AM baselines always fit C_v).
     block_rows: query rows per block.
     nnls_max_iter: cap on Lawson--Hanson iterations (None: 3 * t + 10).
     """
