@@ -167,3 +167,18 @@ def make_text(n_chars: int, seed: int = 0) -> str:
     while len(text) < n_chars:
         text += rng.choice(words) + rng.choice([" ", " ", ", ", ". "])
     return text[:n_chars]
+
+
+def load_script(name: str):
+    """Import ``scripts/<name>.py`` as a module (scripts are not a package). The module is
+    registered in ``sys.modules`` because dataclasses resolve their module by name."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_leaderboard.py"
 
 
 @pytest.fixture(scope="module")
 def ml():
-    spec = importlib.util.spec_from_file_location("make_leaderboard", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_leaderboard")
 
 
 def results_json(path: Path, model: str, model_args: str, scores: dict[str, float], date: float) -> Path:

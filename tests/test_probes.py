@@ -4,12 +4,9 @@ means."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +15,8 @@ from arckv_press.capture import framing_for
 from arckv_press.compaction.fit import FitConfig
 from arckv_press.probes import continuation_damage, continuation_probe, reference_nlls
 from arckv_press.registry import make_press
-from conftest import make_text
+from conftest import load_script, make_text
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _plain_nll(model, ids: list[int], n_cont: int) -> float:
@@ -76,15 +72,8 @@ def test_continuation_probe_averages_the_per_document_damages(tiny_setup, tiny_t
     assert result.count == 2
 
 
-def _load_bench_fidelity():
-    spec = importlib.util.spec_from_file_location("bench_fidelity", ROOT / "scripts" / "bench_fidelity.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_fidelity_summary_uses_only_this_configuration():
-    bench = _load_bench_fidelity()
+    bench = load_script("bench_fidelity")
     base = {"doc_tokens": "100", "cont_tokens": "20", "model": "m"}
     rows = [
         {"method": "arckv", "ratio": "0.1", "doc": "0", "damage": "0.2", **base},
@@ -106,19 +95,14 @@ def test_bench_fidelity_summary_uses_only_this_configuration():
 
 
 def test_bench_fidelity_key_is_stable_across_formatting():
-    bench = _load_bench_fidelity()
+    bench = load_script("bench_fidelity")
     assert bench.row_key("a", "0.1", "3", "1500", "256", "m") == bench.row_key("a", 0.1, 3, 1500, 256, "m")
 
 
 def test_probe_config_parsing_builds_press_options():
     """scripts/probes.py configs: ``METHOD:key=value,...`` -> make_press options, the fit keys
     folded into one FitConfig, and the options column records only what differs from defaults."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "probes.py"
-    spec = importlib.util.spec_from_file_location("probes_script", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-
+    mod = load_script("probes")
     method, options = mod.parse_config("arckv-ha:values=anchor,ridge=0.1,pool=max,lam=0")
     assert method == "arckv-ha"
     assert options == {"config_options": {"fit": FitConfig(values="anchor", ridge_v=0.1), "pooling": "max"}, "lambda_m": 0.0}

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def re_():
-    return _load("run_evals")
+    return load_script("run_evals")
 
 
 def test_plan_orders_baselines_first_and_mild_ratios_first(re_):
@@ -49,7 +37,7 @@ def test_list_skips_finished_runs_and_rejects_bad_input(re_, tmp_path, capsys):
 def test_leaderboard_reads_run_evals_output(re_, tmp_path, model_path):
     """The model_args run_evals writes are parsed back into the right method and ratio; for the
     embedded default (no ``pretrained``) the leaderboard names the model by its HF id."""
-    ml = _load("make_leaderboard")
+    ml = load_script("make_leaderboard")
     hf_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
     for run, score in ((re_.Run("ruler", "arckv-ha", 0.05), 0.25), (re_.Run("ruler", "no-context", 1.0), 0.05),
                        (re_.Run("ruler", "none", 1.0), 0.75)):

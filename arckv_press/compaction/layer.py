@@ -167,10 +167,11 @@ def compact_layer(
     with watch("beta_fit"):
         beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit)
     with watch("value_fit"):
-        V_S = V.gather(1, idx[:, :, None].expand(-1, -1, V.shape[2])) * valid[:, :, None]
+        V_S = None  # the anchors' own values, gathered only when used
+        if method.fit.values == "anchor" or method.fit.value_prior == "anchor":
+            V_S = V.gather(1, idx[:, :, None].expand(-1, -1, V.shape[2])) * valid[:, :, None]
         if method.fit.values == "anchor":
             C_v = V_S
         else:
-            prior = V_S if method.fit.value_prior == "anchor" else None
-            C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=prior)
+            C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=V_S)
     return LayerResult(C_k, beta.float(), C_v, valid, idx, w, timings)
