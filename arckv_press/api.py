@@ -70,6 +70,12 @@ class CompactionConfig:
             needles"): with fixed budgets, or with anchors scored from the budget rows only, every
             planted 7-digit needle is lost at keep 20%; ``"all"`` + ``"global"`` keeps them.
             Attention Matching methods ignore both options (uniform budgets, as its code).
+        fit_witnesses: with ``score_queries="all"``, the fits (and key merging) use the
+            ``query_budget`` rows plus every anchor's witness query, the captured row that attends
+            to it most (:mod:`arckv_press.compaction.witness`). Measured on the default model
+            (README, "Why ARC-KV lost needles"): without the witnesses, anchors picked for a
+            planted needle get C_v fitted from queries that barely touch them, and the needle is
+            lost. ``False`` = the budget rows only (the behaviour before this option).
     """
 
     method: str = "arckv"
@@ -90,6 +96,7 @@ class CompactionConfig:
     on_policy: bool = False
     score_queries: str = "all"
     allocation: str = "global"
+    fit_witnesses: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -113,12 +120,17 @@ class CompactionConfig:
         self.layer_method()  # validates lambda_m now, not after the prefill and repeat-prefill
 
     def layer_method(self) -> LayerMethod:
-        return LayerMethod(self.method, self.lambda_m, self.pooling, self.chunk_len, self.chunk_min_length, self.fit)
+        return LayerMethod(self.method, self.lambda_m, self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
+                           fit_witnesses=self.fit_witnesses)
 
 
 @dataclass
 class CompactionReport:
-    """What one compaction did: per-stage seconds, sizes and the realised ratio."""
+    """What one compaction did: per-stage seconds, sizes and the realised ratio.
+
+    ``reference_rows``: the most reference-query rows per KV head that merging and the fits of
+    any layer used (the budget rows plus that layer's anchor witnesses, see ``fit_witnesses``).
+    """
 
     original_length: int
     prefix_length: int
@@ -336,13 +348,15 @@ def compact_prefilled(
                 t0 = time.perf_counter()
                 layer_score = layer_scores(layer_idx)
                 timings["selection"] = timings.get("selection", 0.0) + time.perf_counter() - t0
-            X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H, plan.repeat_rows, plan.context_rows)
-            n_rows = Q.shape[1]
+            fit_pos = _fit_positions(layer_idx, repeat_store, context_queries, plan)
+            X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H,
+                                  *((None, None) if fit_pos is not None else (plan.repeat_rows, plan.context_rows)))
             res = compact_layer(
                 K, V, Q, budgets[li].to(K.device), _scaling(model, layer_idx), method,
                 X=group_activations(X, G) if X is not None else None, indexer=indexer, layer_idx=layer_idx,
-                scores=layer_score,
+                scores=layer_score, fit_positions=fit_pos, group_size=G,
             )
+            n_rows = max(n_rows, res.fit_rows)
             for stage, sec in res.timings.items():
                 timings[stage] = timings.get(stage, 0.0) + sec
             C_k, lengths = pack_heads(res.C_k, res.valid)
@@ -432,6 +446,21 @@ def _capture_plan(T: int, G: int, config: CompactionConfig) -> _CapturePlan:
 
     (rep_cap, rep_rows), (ctx_cap, ctx_rows) = widen(repeat_pos), widen(context_pos)
     return _CapturePlan(rep_cap, ctx_cap, rep_rows, ctx_rows)
+
+
+def _fit_positions(layer_idx: int, repeat_store, context_store, plan: _CapturePlan) -> torch.Tensor | None:
+    """Positions of the layer's whole reference pool (repeat captures, then context captures, as
+    :func:`_layer_queries` concatenates them) that feed the fits, or ``None`` when the pool is
+    the fit rows already (no ``score_queries="all"`` widening)."""
+    if plan.repeat_rows is None and plan.context_rows is None:
+        return None
+    parts, offset = [], 0
+    for store, rows in ((repeat_store, plan.repeat_rows), (context_store, plan.context_rows)):
+        if store is not None and layer_idx in store.x:
+            n = sum(chunk.shape[0] for chunk in store.x[layer_idx])
+            parts.append((torch.arange(n) if rows is None else rows.cpu().long()) + offset)
+            offset += n
+    return torch.cat(parts)
 
 
 def _layer_queries(

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from arckv_press.compaction.reference import grouped_rows
 from arckv_press.compaction.select import (
     _check_float,
     _check_positive_int,
@@ -154,23 +155,6 @@ def disjoint_windows(n_total: int, length: int, count: int, seed: int = 0) -> li
     g = torch.Generator(device="cpu").manual_seed(seed)
     chosen = torch.randperm(available, generator=g)[:count]
     return sorted(int(i) * length for i in chosen)
-
-
-def grouped_rows(positions: torch.Tensor, n: int, group_size: int) -> torch.Tensor:
-    """Rows of ``[H_kv, G * n, D]`` grouped queries that belong to the captured ``positions``.
-
-    Row ``g * n + i`` is position i of the g-th query head of the KV head
-    (:func:`arckv_press.compaction.reference.group_queries_by_kv_head`), so a position split
-    keeps all G query heads of a token on the same side. Returns ``[G * len(positions)]`` long,
-    head-major.
-    """
-    _check_tensor(positions, "positions", 1)
-    _check_positive_int(n, "n")
-    _check_positive_int(group_size, "group_size")
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
-        raise ValueError(f"positions must lie in [0, n={n})")
-    offsets = torch.arange(group_size, dtype=torch.long, device=positions.device)[:, None] * n
-    return (offsets + positions.long()[None, :]).reshape(-1)
 
 
 def gather_slots(X: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ Model part (per context length and kept fraction rho): the context (Paul Graham 
 as in kvpress's pipeline) is prefilled once per length (median of ``--repeats`` prefills after a
 warm-up one); each ARC-KV / AM method then compacts a copy of that prefilled cache with
 :func:`arckv_press.api.compact_prefilled` and we read ``cache.report.timings``:
-``repeat_prefill`` (reference queries), ``selection`` (anchor scores + top-t), ``merge`` (key
-merging), ``beta_fit``, ``value_fit`` (C_v) for ARC-KV, ``am_total`` (select + fit) for AM,
+``repeat_prefill`` (reference queries), ``selection`` (anchor scores + top-t), ``fit_rows`` (the
+anchors' witness queries), ``merge`` (key merging), ``beta_fit``, ``value_fit`` (C_v) for ARC-KV, ``am_total`` (select + fit) for AM,
 plus ``compact_total`` (wall time of the whole call, repeat-prefill included, prefill
 excluded). kvpress presses (SnapKV, KVzip, Expected Attention) are timed end to end
 (``press_total``: the prefill inside ``with press(model)`` plus the compression);
@@ -52,7 +52,7 @@ from arckv_press.runinfo import append_rows, parse_length, print_header, run_met
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_compaction.csv"
 COMPACTION_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha")
 KVPRESS_METHODS = ("snapkv", "kvzip", "expected_attention")
-ARCKV_STAGES = ("repeat_prefill", "selection", "merge", "beta_fit", "value_fit")
+ARCKV_STAGES = ("repeat_prefill", "selection", "fit_rows", "merge", "beta_fit", "value_fit")
 FIELDS = ["section", "method", "ratio", "length", "stage", "seconds", "repeats", "threads", "dtype",
           "command", "date", "package_version", "machine"]
 
@@ -214,7 +214,7 @@ def print_model_summary(results: dict, args, methods: list[str]) -> None:
             arc = results.get(("arckv-ha", ratio, length))
             if arc is None:
                 continue
-            arc_layers = sum(arc.get(s, 0.0) for s in ("selection", "merge", "beta_fit", "value_fit"))
+            arc_layers = sum(arc.get(s, 0.0) for s in ARCKV_STAGES[1:])
             parts = [f"{length:>6} tok, rho {ratio:g}:"]
             for omp in ("am-omp", "am-omp-fast"):
                 o = results.get((omp, ratio, length))

@@ -5,7 +5,9 @@
 
 A config is ``METHOD[:key=value,...]`` with keys ``ctx`` (share of reference queries from the
 context's own prefill: 0 = repeat-prefill only, the paper's default), ``pool`` (rms, mean,
-max), ``alloc`` (global, fixed), ``score`` (all, budget), ``lam`` (lambda_m, key merging), and the value fit: ``values`` (fit: paper Eq. (value_lstsq);
+max), ``alloc`` (global, fixed), ``score`` (all, budget), ``lam`` (lambda_m, key merging), ``wit`` (1: the fits also use each
+anchor's witness query, the default; 0: the budget rows only), ``qb`` (query_budget rows per KV head),
+and the value fit: ``values`` (fit: paper Eq. (value_lstsq);
 anchor: keep the anchors' own values), ``prior`` (zero, anchor) and ``ridge`` (relative lambda_v);
 ``alloc=fixed,score=budget`` is the paper's exact setting. Results are appended to ``leaderboards/probes.csv`` (resumable: finished rows are skipped);
 the haystack and documents are the Paul Graham essays in ``../shared/data/ruler/pg_essays.txt``.
@@ -43,6 +45,12 @@ def _jsonable(obj):
     raise TypeError(f"cannot record {type(obj).__name__} in the options column")
 
 
+def _flag(value: str, text: str) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError(f"wit= takes 0 or 1, got {value!r} in config {text!r}")
+    return value == "1"
+
+
 def parse_config(text: str) -> tuple[str, dict]:
     method, _, rest = text.partition(":")
     options: dict = {}
@@ -59,11 +67,16 @@ def parse_config(text: str) -> tuple[str, dict]:
             options.setdefault("config_options", {})["score_queries"] = value
         elif key == "lam":
             options["lambda_m"] = float(value)
+        elif key == "wit":
+            options.setdefault("config_options", {})["fit_witnesses"] = _flag(value, text)
+        elif key == "qb":
+            options["query_budget"] = int(value)
         elif key in FIT_KEYS:
             fit[FIT_KEYS[key]] = float(value) if key == "ridge" else value
         else:
             raise ValueError(
-                f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, score=, lam=, values=, prior=, ridge=)"
+                f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, score=, lam=, wit=, qb=, values=, "
+                "prior=, ridge=)"
             )
     if fit:
         options.setdefault("config_options", {})["fit"] = FitConfig(**fit)

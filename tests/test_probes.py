@@ -115,3 +115,10 @@ def test_probe_config_parsing_builds_press_options():
         mod.parse_config("arckv:foo=1")
     with pytest.raises(ValueError, match="values must be one of"):
         mod.parse_config("arckv:values=copy")
+    method, options = mod.parse_config("arckv-ha:wit=0,qb=512")
+    assert options == {"config_options": {"fit_witnesses": False}, "query_budget": 512}
+    config = make_press(method, 0.2, **options).compaction_config()
+    assert config.fit_witnesses is False and config.query_budget == 512
+    assert make_press("arckv-ha", 0.2).compaction_config().fit_witnesses is True
+    with pytest.raises(ValueError, match="wit= takes 0 or 1"):
+        mod.parse_config("arckv-ha:wit=yes")

@@ -6,7 +6,9 @@ as an object with a ``scores(layer, X, Q, K, V, pooling)`` method). Methods:
 - ``arckv`` (learned indexer), ``arckv-ha``, ``arckv-vi``: top-t anchors from the scorer
   (chunked for long contexts, App. (KV-Based Chunking)), convex-hull key merging with
   ``lambda_m`` (Eqs. (response_profile)-(key_merge)), then beta (Eq. (mass_fit)) and C_v
-  (Eq. (value_lstsq); or the anchors' own values with ``fit.values="anchor"``).
+  (Eq. (value_lstsq); or the anchors' own values with ``fit.values="anchor"``). When the fits
+  use a subset of the scoring pool (``fit_positions``), each anchor's witness query joins that
+  subset (:mod:`.witness`; ``fit_witnesses``).
 - ``am-omp``, ``am-omp-fast``, ``am-ha``: the Attention Matching baselines (:mod:`.omp`).
 """
 
@@ -20,7 +22,9 @@ import torch
 from arckv_press.compaction.fit import FitConfig, fit_beta, fit_values
 from arckv_press.compaction.merge import merge_keys
 from arckv_press.compaction.omp import am_compact
+from arckv_press.compaction.reference import grouped_rows
 from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, vi_scores
+from arckv_press.compaction.witness import fit_positions_with_witnesses
 
 __all__ = ["LayerMethod", "LayerResult", "compact_layer", "anchor_scores", "ARCKV_SELECTORS", "AM_VARIANTS"]
 
@@ -39,6 +43,11 @@ class LayerMethod:
         chunk_len / chunk_min_length: chunked top-t for long contexts (App. KV-Based Chunking).
         fit: beta / C_v fitting options.
         block: position block of the merge assignment (bounds memory).
+        fit_witnesses: when merging and the fits use a subset of the scoring pool, add every
+            anchor's witness query (the pooled row that attends to it most, :mod:`.witness`)
+            to that subset. Measured on the default model (README, "Why ARC-KV lost needles"):
+            without it, anchors picked for a planted needle get C_v fitted from queries that
+            barely touch them and the needle is lost.
     """
 
     name: str = "arckv"
@@ -48,6 +57,7 @@ class LayerMethod:
     chunk_min_length: int = 10_000
     fit: FitConfig = field(default_factory=FitConfig)
     block: int = 4096
+    fit_witnesses: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in ARCKV_SELECTORS and self.name not in AM_VARIANTS:
@@ -75,6 +85,7 @@ class LayerResult:
     anchors: torch.Tensor  # [H, t_max] positions of the anchors
     w: torch.Tensor | None = None  # mass weights before the log (ARC-KV)
     timings: dict[str, float] = field(default_factory=dict)
+    fit_rows: int = 0  # reference rows per KV head that merging and the fits used
 
 
 class _Stopwatch:
@@ -136,21 +147,28 @@ def compact_layer(
     indexer=None,
     layer_idx: int = 0,
     scores: torch.Tensor | None = None,
+    fit_positions: torch.Tensor | None = None,
+    group_size: int = 1,
 ) -> LayerResult:
     """Compact one layer: ``K, V [H, T, D]``, reference queries ``Q [H, n, D]``, ``budgets [H]``.
 
     ``X [n, d_x]`` (rows aligned with ``Q``'s rows) and ``indexer`` are needed by ``arckv``.
-    ``scores [H, T]``: anchor scores computed beforehand (e.g. from more queries than the fit
-    rows ``Q``, see :func:`anchor_scores`); ARC-KV methods then skip their own scoring.
+    ``scores [H, T]``: anchor scores computed beforehand (see :func:`anchor_scores`); ARC-KV
+    methods then skip their own scoring.
+    ``fit_positions``: ARC-KV only; ``Q`` is then a pool of ``n = group_size * N`` rows in the GQA
+    layout (row ``g * N + p``) and merging and the fits use only the rows of these positions
+    (plus each anchor's witness when ``method.fit_witnesses``); ``None`` = every row of ``Q``.
     Returns padded ``(C_k, beta, C_v)`` with a prefix ``valid`` mask per head.
     """
     timings: dict[str, float] = {}
     watch = _Stopwatch(timings)
     if method.name in AM_VARIANTS:
+        if fit_positions is not None:
+            raise ValueError(f"fit_positions applies to ARC-KV methods only, not {method.name!r}")
         with watch("am_total"):
             C_k, beta, C_v, idx, valid = am_compact(Q, K, V, budgets, scaling, AM_VARIANTS[method.name])
         idx, valid, C_k, beta, C_v = _prefix_order(idx, valid, C_k, beta, C_v)
-        return LayerResult(C_k, beta, C_v, valid, idx, None, timings)
+        return LayerResult(C_k, beta, C_v, valid, idx, None, timings, Q.shape[1])
 
     with watch("selection"):
         if scores is None:
@@ -159,6 +177,13 @@ def compact_layer(
             raise ValueError(f"scores must have shape {tuple(K.shape[:2])} (heads x positions), got {tuple(scores.shape)}")
         idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
         idx, valid = _prefix_order(idx, valid)
+    if fit_positions is not None:
+        with watch("fit_rows"):
+            if method.fit_witnesses:
+                fit_positions = fit_positions_with_witnesses(Q, K, idx, valid, scaling, group_size, fit_positions)
+            if Q.shape[1] % group_size:
+                raise ValueError(f"Q has {Q.shape[1]} rows, not a multiple of group_size={group_size}")
+            Q = Q[:, grouped_rows(fit_positions, Q.shape[1] // group_size, group_size).to(Q.device)]
     with watch("merge"):
         if method.lambda_m > 0:
             C_k, _ = merge_keys(Q, K, idx, valid, scaling, lambda_m=method.lambda_m, block=method.block)
@@ -174,4 +199,4 @@ def compact_layer(
             C_v = V_S
         else:
             C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=V_S)
-    return LayerResult(C_k, beta.float(), C_v, valid, idx, w, timings)
+    return LayerResult(C_k, beta.float(), C_v, valid, idx, w, timings, Q.shape[1])

@@ -153,15 +153,32 @@ def group_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
 def grouped_row_index(n: int, group_size: int) -> torch.Tensor:
     """Position index ``i`` of every grouped row ``g * n + i``, ``[G * n]`` long (CPU).
 
-    Selecting a subset ``rows`` of positions for all G heads: grouped rows are
-    ``(torch.arange(G)[:, None] * n + rows[None, :]).reshape(-1)``.
+    Selecting a subset of positions for all G heads: :func:`grouped_rows`.
     """
     _check_count(n, "n", 1)
     _check_count(group_size, "group_size", 1)
     return torch.arange(n, dtype=torch.long).repeat(group_size)
 
 
+def grouped_rows(positions: torch.Tensor, n: int, group_size: int) -> torch.Tensor:
+    """Grouped row indices ``[G * m]`` of ``positions [m]`` for all G query heads of a KV head.
+
+    Row ``g * n + p`` (module docstring) for g in range(G), head-major, so the selected rows keep
+    the GQA layout with ``m`` positions per head.
+    """
+    _check_count(n, "n", 1)
+    _check_count(group_size, "group_size", 1)
+    positions = positions.long()
+    if positions.ndim != 1:
+        raise ValueError(f"positions must be 1-D, got shape {tuple(positions.shape)}")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
+        raise ValueError(f"positions must lie in [0, n={n})")
+    offsets = torch.arange(group_size, dtype=torch.long, device=positions.device) * n
+    return (offsets[:, None] + positions[None, :]).reshape(-1)
+
+
 __all__ = [
+    "grouped_rows",
     "subsample_rows",
     "mix_sources",
     "split_episode",

@@ -1,0 +1,97 @@
+"""Fit rows that cover the anchors: each anchor's *witness* query joins the fitting rows.
+
+The paper (App. "Inference") uses one reference pool for anchor scoring, key merging and the
+fits of beta and C_v (Eqs. (mass_fit), (value_lstsq)). When the pool is large, this package
+scores anchors from every captured position but fits on a ``query_budget`` subsample
+(``CompactionConfig.score_queries="all"``). An anchor chosen because of a few sharp queries
+(a copy head reading a planted needle) then often has none of those queries among the fitting
+rows, so its compact value C_v is fitted only from queries that touch it weakly, and exact
+copying breaks. The witness of anchor ``j`` of a head is the pooled row that gives it the largest
+full-cache attention probability,
+
+    i*(j) = argmax_i softmax_u(scaling q_i . k_u)_j        (ties: lowest row),
+
+i.e. the query that most needs that key. :func:`fit_positions_with_witnesses` adds the
+positions of all witnesses of a layer (union over its KV heads and valid anchors) to the
+fitting positions, so every anchor has at least its strongest query in the fit. All query
+heads of a position are kept together (GQA row layout of :mod:`.reference`), and every row is
+used once, so the least-squares fits stay unweighted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import grouped_rows
+from .select import _check_positive_int, _check_qk, _check_scaling, _check_valid, _compute_dtype, _row_blocks
+
+__all__ = ["anchor_witnesses", "fit_positions_with_witnesses"]
+
+
+def anchor_witnesses(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: float,
+    block_rows: int = 1024,
+) -> torch.Tensor:
+    """Row index ``[H, t]`` of each anchor's witness query (module docstring).
+
+    ``Q [H, n, D]`` reference rows, ``K [H, T, D]``, ``anchors [H, t]`` positions in ``K``.
+    Log-probabilities are compared in float32 (float64 for float64 inputs), blockwise over rows;
+    ties go to the lowest row. Padded slots (``valid`` False) get row 0.
+    """
+    _check_qk(Q, K)
+    scaling = _check_scaling(scaling)
+    _check_positive_int(block_rows, "block_rows")
+    H, T, _ = K.shape
+    if anchors.ndim != 2 or anchors.shape[0] != H or anchors.dtype.is_floating_point:
+        raise ValueError(f"anchors must be an integer tensor [H={H}, t], got {tuple(anchors.shape)} {anchors.dtype}")
+    valid = _check_valid(valid, H, anchors.shape[1], K.device)
+    cols = torch.where(valid, anchors.long(), 0)
+    if bool(((cols < 0) | (cols >= T)).any()):
+        raise ValueError(f"anchor positions must lie in [0, T={T})")
+    cd = _compute_dtype(Q, K)
+    Kt = K.to(cd).transpose(1, 2)
+    best = torch.full(cols.shape, -torch.inf, dtype=cd, device=K.device)
+    rows = torch.zeros(cols.shape, dtype=torch.long, device=K.device)
+    for lo, hi in _row_blocks(Q.shape[1], block_rows):
+        logp = torch.log_softmax((Q[:, lo:hi].to(cd) * scaling) @ Kt, dim=-1)    # [H, b, T]
+        at = logp.gather(2, cols[:, None, :].expand(-1, hi - lo, -1))           # [H, b, t]
+        val, arg = at.max(dim=1)                                                  # first max in block
+        better = val > best                                                       # strict: earlier block wins ties
+        best = torch.where(better, val, best)
+        rows = torch.where(better, arg + lo, rows)
+    return rows.masked_fill(~valid, 0)
+
+
+def fit_positions_with_witnesses(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: float,
+    group_size: int,
+    base_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sorted unique positions ``[m]`` (CPU long) of the pool that feed merging and the fits.
+
+    ``Q [H, G * N, D]`` is the whole reference pool of a layer in the GQA row layout (row
+    ``g * N + p`` = position ``p`` of query head ``g``); ``base_positions`` are the budget
+    positions (``None``: none). Returns ``base_positions`` united with the positions of every
+    valid anchor's witness (:func:`anchor_witnesses`) over all KV heads. Gather the rows with
+    :func:`~arckv_press.compaction.reference.grouped_rows`.
+    """
+    _check_positive_int(group_size, "group_size")
+    n = Q.shape[1]
+    if n % group_size:
+        raise ValueError(f"the pool has {n} rows per KV head, not a multiple of group_size={group_size}")
+    N = n // group_size
+    rows = anchor_witnesses(Q, K, anchors, valid, scaling)
+    valid = _check_valid(valid, *anchors.shape, K.device)
+    witness = (rows[valid] % N).cpu()
+    base = torch.zeros(0, dtype=torch.long) if base_positions is None else base_positions.long().cpu()
+    if base.numel() and (int(base.min()) < 0 or int(base.max()) >= N):
+        raise ValueError(f"base_positions must lie in [0, N={N})")
+    return torch.unique(torch.cat([base, witness]), sorted=True)
