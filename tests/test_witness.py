@@ -66,9 +66,9 @@ def test_fit_positions_unite_budget_and_witness_positions_of_all_heads():
 
 def test_witness_errors():
     Q, K = torch.randn(2, 6, 4), torch.randn(2, 5, 4)
-    with pytest.raises(ValueError, match=r"anchor positions must lie in \[0, T=5\)"):
+    with pytest.raises(ValueError, match=r"anchor index 5 at head 0 slot 1 is outside \[0, T=5\)"):
         anchor_witnesses(Q, K, torch.tensor([[0, 5], [1, 2]]), None, 1.0)
-    with pytest.raises(ValueError, match="integer tensor"):
+    with pytest.raises(TypeError, match="integer tensor"):
         anchor_witnesses(Q, K, torch.zeros(2, 2), None, 1.0)
     with pytest.raises(ValueError, match="not a multiple of group_size=4"):
         fit_positions_with_witnesses(Q, K, torch.zeros(2, 1, dtype=torch.long), None, 1.0, 4)

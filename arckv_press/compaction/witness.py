@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .reference import grouped_rows
-from .select import _check_positive_int, _check_qk, _check_scaling, _check_valid, _compute_dtype, _row_blocks
+from .merge import check_anchors
+from .select import _check_positive_int, _check_qk, _check_scaling, _compute_dtype, _row_blocks
 
 __all__ = ["anchor_witnesses", "fit_positions_with_witnesses"]
 
@@ -45,13 +45,10 @@ def anchor_witnesses(
     _check_qk(Q, K)
     scaling = _check_scaling(scaling)
     _check_positive_int(block_rows, "block_rows")
-    H, T, _ = K.shape
-    if anchors.ndim != 2 or anchors.shape[0] != H or anchors.dtype.is_floating_point:
-        raise ValueError(f"anchors must be an integer tensor [H={H}, t], got {tuple(anchors.shape)} {anchors.dtype}")
-    valid = _check_valid(valid, H, anchors.shape[1], K.device)
+    valid = check_anchors(anchors, valid, K.shape[1])
+    if anchors.shape[0] != K.shape[0]:
+        raise ValueError(f"anchors has {anchors.shape[0]} heads but K has {K.shape[0]}")
     cols = torch.where(valid, anchors.long(), 0)
-    if bool(((cols < 0) | (cols >= T)).any()):
-        raise ValueError(f"anchor positions must lie in [0, T={T})")
     cd = _compute_dtype(Q, K)
     Kt = K.to(cd).transpose(1, 2)
     best = torch.full(cols.shape, -torch.inf, dtype=cd, device=K.device)
@@ -89,7 +86,7 @@ def fit_positions_with_witnesses(
         raise ValueError(f"the pool has {n} rows per KV head, not a multiple of group_size={group_size}")
     N = n // group_size
     rows = anchor_witnesses(Q, K, anchors, valid, scaling)
-    valid = _check_valid(valid, *anchors.shape, K.device)
+    valid = check_anchors(anchors, valid, K.shape[1])
     witness = (rows[valid] % N).cpu()
     base = torch.zeros(0, dtype=torch.long) if base_positions is None else base_positions.long().cpu()
     if base.numel() and (int(base.min()) < 0 or int(base.max()) >= N):
