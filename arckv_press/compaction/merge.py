@@ -66,6 +66,21 @@ def check_anchors(anchors: torch.Tensor, valid: torch.Tensor, T: int) -> torch.T
     return valid
 
 
+def check_anchor_inputs(
+    Q: torch.Tensor, K: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor | None, scaling: float, block: int
+) -> tuple[float, torch.Tensor]:
+    """Validate ``Q [H, n, D]``, ``K [H, T, D]``, padded ``anchors [H, t]`` and a block size, as
+    every function that reads all keys against the anchors of a layer needs; returns the checked
+    ``scaling`` and the bool ``valid`` mask (:func:`check_anchors`)."""
+    _check_qk(Q, K)
+    scaling = _check_scaling(scaling)
+    _check_positive_int(block, "block")
+    valid = check_anchors(anchors, valid, K.shape[1])
+    if anchors.shape[0] != K.shape[0]:
+        raise ValueError(f"anchors has {anchors.shape[0]} heads but K has {K.shape[0]}")
+    return scaling, valid
+
+
 def _response_profiles(Qs: torch.Tensor, Kb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised profiles u ``[H, n, b]`` and log phi ``[H, b]`` (up to -z_merge).
 
@@ -125,12 +140,7 @@ def assign_to_anchors(
     z_merge is per head and cancels (see the module docstring). Memory per call is
     O(n t + n block + block t) per head; no ``[H, n, T, t]`` tensor is formed.
     """
-    _check_qk(Q, K)
-    scaling = _check_scaling(scaling)
-    _check_positive_int(block, "block")
-    valid = check_anchors(anchors, valid, K.shape[1])
-    if anchors.shape[0] != K.shape[0]:
-        raise ValueError(f"anchors has {anchors.shape[0]} heads but K has {K.shape[0]}")
+    scaling, valid = check_anchor_inputs(Q, K, anchors, valid, scaling, block)
     assignment, _ = _assign_and_log_phi(Q, K, anchors, valid, scaling, block)
     return assignment
 
@@ -153,16 +163,11 @@ def merge_keys(
     (module docstring), so a group whose exponentials would all underflow still gets its
     mass-weighted centroid. Padded slots get zero rows.
     """
-    _check_qk(Q, K)
-    scaling = _check_scaling(scaling)
-    _check_positive_int(block, "block")
+    scaling, valid = check_anchor_inputs(Q, K, anchors, valid, scaling, block)
     if isinstance(lambda_m, bool) or not isinstance(lambda_m, (int, float)):
         raise TypeError(f"lambda_m must be a float, got {type(lambda_m).__name__}")
     if not (0.0 <= lambda_m <= 1.0):
         raise ValueError(f"lambda_m must be in [0, 1], got {lambda_m}")
-    valid = check_anchors(anchors, valid, K.shape[1])
-    if anchors.shape[0] != K.shape[0]:
-        raise ValueError(f"anchors has {anchors.shape[0]} heads but K has {K.shape[0]}")
     H, T, D = K.shape
     t = anchors.shape[1]
     assignment, log_phi = _assign_and_log_phi(Q, K, anchors, valid, scaling, block)
@@ -184,4 +189,4 @@ def merge_keys(
     return C_k.to(K.dtype), assignment
 
 
-__all__ = ["check_anchors", "assign_to_anchors", "merge_keys"]
+__all__ = ["check_anchors", "check_anchor_inputs", "assign_to_anchors", "merge_keys"]

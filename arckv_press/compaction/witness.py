@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .merge import check_anchors
-from .select import _check_positive_int, _check_qk, _check_scaling, _compute_dtype, _row_blocks
+from .merge import check_anchor_inputs, check_anchors
+from .select import _check_positive_int, _compute_dtype, _row_blocks
 
 __all__ = ["anchor_witnesses", "fit_positions_with_witnesses"]
 
@@ -42,12 +42,7 @@ def anchor_witnesses(
     Log-probabilities are compared in float32 (float64 for float64 inputs), blockwise over rows;
     ties go to the lowest row. Padded slots (``valid`` False) get row 0.
     """
-    _check_qk(Q, K)
-    scaling = _check_scaling(scaling)
-    _check_positive_int(block_rows, "block_rows")
-    valid = check_anchors(anchors, valid, K.shape[1])
-    if anchors.shape[0] != K.shape[0]:
-        raise ValueError(f"anchors has {anchors.shape[0]} heads but K has {K.shape[0]}")
+    scaling, valid = check_anchor_inputs(Q, K, anchors, valid, scaling, block_rows)
     cols = torch.where(valid, anchors.long(), 0)
     cd = _compute_dtype(Q, K)
     Kt = K.to(cd).transpose(1, 2)
