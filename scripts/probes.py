@@ -9,7 +9,8 @@ max), ``alloc`` (global, fixed), ``score`` (all, budget), ``lam`` (lambda_m, key
 anchor's witness query, the default; 0: the budget rows only), ``qb`` (query_budget rows per KV head),
 and the value fit: ``values`` (fit: paper Eq. (value_lstsq);
 anchor: keep the anchors' own values), ``prior`` (zero, anchor) and ``ridge`` (relative lambda_v);
-``alloc=fixed,score=budget`` is the paper's exact setting. Results are appended to ``leaderboards/probes.csv`` (resumable: finished rows are skipped);
+``alloc=fixed,score=budget`` is the paper's exact setting. Results are appended to ``leaderboards/probes.csv`` (resumable: a finished config, ratio and
+``--dtype`` is skipped);
 the haystack and documents are the Paul Graham essays in ``../shared/data/ruler/pg_essays.txt``.
 """
 
@@ -34,7 +35,7 @@ from arckv_press.probes import continuation_probe, needle_probe, split_documents
 from arckv_press.registry import make_press
 
 FIT_KEYS = {"values": "values", "prior": "value_prior", "ridge": "ridge_v"}  # probe key -> FitConfig field
-FIELDS = ["config", "method", "ratio", "options", "needle_found", "needle_total", "damage", "damage_docs",
+FIELDS = ["config", "method", "ratio", "dtype", "options", "needle_found", "needle_total", "damage", "damage_docs",
           "compaction_seconds", "date", "version", "command"]
 
 
@@ -96,6 +97,8 @@ def main(argv=None) -> int:
     p.add_argument("--doc-tokens", type=int, default=1500)
     p.add_argument("--cont-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="model dtype (default float32: on CPUs without native bf16, bf16 runs several times slower)")
     p.add_argument("--out", default="leaderboards/probes.csv")
     p.add_argument("--quick", action="store_true", help="2 needles, 1 document, ratio 0.2, three configs")
     args = p.parse_args(argv)
@@ -110,8 +113,11 @@ def main(argv=None) -> int:
     done = set()
     if out.exists():
         with out.open() as f:
-            done = {(r["config"], float(r["ratio"])) for r in csv.DictReader(f)}
-    model, tok = load_model()
+            reader = csv.DictReader(f)
+            if reader.fieldnames != FIELDS:
+                raise SystemExit(f"{out} has columns {reader.fieldnames}, expected {FIELDS}; write to another --out")
+            done = {(r["config"], float(r["ratio"]), r["dtype"]) for r in reader}
+    model, tok = load_model(dtype=getattr(torch, args.dtype))
     haystack = load_haystack(None)
     documents = split_documents(tok, haystack[len(haystack) // 2 :], args.docs, args.doc_tokens, args.cont_tokens)
     references: dict = {}
@@ -124,15 +130,15 @@ def main(argv=None) -> int:
         for config in args.configs:
             method, options = parse_config(config)
             for ratio in args.ratios:
-                if (config, ratio) in done:
-                    print(f"skip {config} @ {ratio} (done)")
+                if (config, ratio, args.dtype) in done:
+                    print(f"skip {config} @ {ratio} {args.dtype} (done)")
                     continue
                 factory = lambda: make_press(method, ratio, **options)  # noqa: E731
                 t0 = time.perf_counter()
                 needle, _ = needle_probe(model, tok, factory, haystack, args.needle_tokens, args.depths, args.seeds)
                 cont, _ = continuation_probe(model, tok, factory, documents, references)
                 row = {
-                    "config": config, "method": method, "ratio": ratio, "options": json.dumps(options, default=_jsonable),
+                    "config": config, "method": method, "ratio": ratio, "dtype": args.dtype, "options": json.dumps(options, default=_jsonable),
                     "needle_found": round(needle.value * needle.count), "needle_total": needle.count,
                     "damage": round(cont.value, 4), "damage_docs": cont.count,
                     "compaction_seconds": round((needle.seconds + cont.seconds) / (needle.count + len(documents)), 2),

@@ -4,9 +4,11 @@ means."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +124,17 @@ def test_probe_config_parsing_builds_press_options():
     assert make_press("arckv-ha", 0.2).compaction_config().fit_witnesses is True
     with pytest.raises(ValueError, match="wit= takes 0 or 1"):
         mod.parse_config("arckv-ha:wit=yes")
+
+
+def test_probes_refuses_a_csv_without_the_dtype_column(tmp_path):
+    """Rows are resumed by (config, ratio, dtype): a CSV written before the dtype column existed is
+    refused with the columns named, before the model is loaded, instead of mixing dtypes silently."""
+    mod = load_script("probes")
+    old = tmp_path / "probes.csv"
+    old.write_text(",".join(f for f in mod.FIELDS if f != "dtype") + "\n")
+    with pytest.raises(SystemExit, match="expected .*'dtype'"):
+        mod.main(["--configs", "snapkv", "--out", str(old)])
+    assert mod.FIELDS[:4] == ["config", "method", "ratio", "dtype"]
+    for committed in sorted((Path(__file__).resolve().parents[1] / "leaderboards").glob("probes*.csv")):
+        with committed.open() as f:
+            assert next(csv.reader(f)) == mod.FIELDS, committed.name  # the committed files resume too
