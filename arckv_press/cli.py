@@ -151,7 +151,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(argv[1:])
     args = build_parser().parse_args(argv)
-    args.dtype = getattr(torch, args.dtype)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:

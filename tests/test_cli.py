@@ -1,0 +1,66 @@
+"""The ``arckv`` command line: ``compact`` then ``ask`` on a tiny local model, against the API."""
+
+from __future__ import annotations
+
+import torch
+
+from arckv_press import cli
+from arckv_press.api import compact
+from arckv_press.attention import enable_compact_attention
+from arckv_press.generation import answer
+from arckv_press.models import load_model
+from conftest import build_tiny_tokenizer, make_text
+
+
+def _tiny_folder(tiny_model, path, seed, num_layers=2):
+    model = tiny_model("llama", num_layers=num_layers, seed=seed)
+    model.config.eos_token_id = 2
+    model.save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_compact_then_ask_answers_as_the_api(tiny_model, tmp_path, capsys):
+    """``arckv compact`` saves the compact cache of a text file; ``arckv ask`` answers from it alone
+    (the text is gone) exactly as ``compact()`` + ``answer()`` do in one process."""
+    folder = _tiny_folder(tiny_model, tmp_path / "model", seed=0)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(make_text(400, seed=4), encoding="utf-8")
+    out = tmp_path / "doc.arckv"
+    common = ["--model", str(folder), "--dtype", "float32"]
+    assert cli.main([*common, "compact", str(doc), "--method", "arckv-ha", "--ratio", "0.5", "-o", str(out)]) == 0
+    assert "realised ratio" in capsys.readouterr().out and out.exists()
+
+    text = doc.read_text(encoding="utf-8")
+    doc.unlink()
+    questions = ["What is it about?", "Who wrote it?"]
+    assert cli.main([*common, "ask", str(out), *questions, "--max-new-tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+
+    model, tok = load_model(str(folder), dtype="float32")
+    with torch.inference_mode():
+        cache = compact(model, tok, text, method="arckv-ha", ratio=0.5)
+    enable_compact_attention(model)
+    for q in questions:
+        assert f"Q: {q}\nA: {answer(model, tok, cache, q, 6)}\n" in printed
+
+
+def test_ask_refuses_a_cache_built_for_another_model(tiny_model, tmp_path, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(make_text(400, seed=1), encoding="utf-8")
+    out = tmp_path / "doc.arckv"
+    first = _tiny_folder(tiny_model, tmp_path / "a", seed=0)
+    other = _tiny_folder(tiny_model, tmp_path / "b", seed=0, num_layers=3)
+    assert cli.main(["--model", str(first), "--dtype", "float32", "compact", str(doc), "--method", "arckv-ha",
+                     "--ratio", "0.5", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert cli.main(["--model", str(other), "--dtype", "float32", "ask", str(out), "q"]) == 2
+    assert "was built for model" in capsys.readouterr().err
+
+
+def test_bad_ratio_is_a_clear_error(tiny_model, tmp_path, capsys):
+    folder = _tiny_folder(tiny_model, tmp_path / "model", seed=0)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(make_text(400), encoding="utf-8")
+    assert cli.main(["--model", str(folder), "compact", str(doc), "--method", "arckv-ha", "--ratio", "1.5"]) == 2
+    assert "ratio" in capsys.readouterr().err
