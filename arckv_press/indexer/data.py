@@ -37,7 +37,7 @@ Reference pools
 ``query_budget // G`` document positions drawn like inference
 (:func:`arckv_press.compaction.reference.mix_sources` with no context rows), for every
 full-attention layer. Keys and values come from the prefill cache (document part only).
-Tensors are kept in the model's dtype (bf16 by default: what inference sees).
+Tensors are kept in the model's dtype (what inference sees; the pool key records it).
 
 A pool file is one safetensors file per context,
 ``<cache>/pools/<model dir>/<key>.safetensors`` (:func:`default_pool_dir`), with tensors

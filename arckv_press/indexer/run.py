@@ -341,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train the ARC-KV value-aware indexer of a base model "
                                             "(pools, layer shards, merge).")
     p.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", help="model dtype for the pools (default bfloat16, as inference)")
+    p.add_argument("--dtype", default="auto",
+                   help="model dtype for the pools (default auto, as inference: bfloat16 on CUDA, float32 on CPU)")
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default=None, help="shared data folder (default $ARCKV_DATA_DIR or <repo>/../shared/data)")
     g.add_argument("--train-file", default=SQUAD_TRAIN_FILE, help="SQuAD JSON relative to --data-dir")
@@ -444,7 +445,7 @@ def main(argv: Sequence[str] | None = None, model: Any = None, tokenizer: Any = 
             "context_spec": asdict(ContextSpec(args.min_tokens, args.max_tokens, args.dev_fraction, args.data_seed)),
             "pool_settings": asdict(pool_settings),
             "epochs": {"kl": settings.train.kl_epochs, "joint": settings.train.joint_epochs},
-            "model_dtype": args.dtype,
+            "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "torch_threads_per_process": args.threads,
             "machine": f"{platform.machine()} {os.cpu_count()} cores",
             "command": "scripts/train_indexer.py " + shlex.join(list(argv if argv is not None else sys.argv[1:])),
