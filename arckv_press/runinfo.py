@@ -34,12 +34,26 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def _cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (Linux), or ``""``."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def machine_info(device: str | torch.device = "cpu") -> dict[str, str]:
     """Device, CPU count, torch threads and the versions that matter for timings."""
     from arckv_press import __version__
 
     device = torch.device(device)
-    name = platform.processor() or platform.machine()
+    name = _cpu_model() or platform.processor() or platform.machine()
+    if device.type == "cpu":  # AVX2-only CPUs emulate bf16 (tens of times slower than float32)
+        name += f", {torch.backends.cpu.get_cpu_capability()}"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     return {
