@@ -103,6 +103,14 @@ def parse_model_args(args: Any) -> dict[str, str]:
     return out
 
 
+def _source(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it (no machine-local paths in the CSV)."""
+    try:
+        return Path(path).resolve().relative_to(REPO).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def iso_date(value: Any) -> str:
     """lm-eval's ``date`` (unix seconds) or a date string -> ``YYYY-MM-DDTHH:MM:SSZ``."""
     if isinstance(value, (int, float)):
@@ -213,7 +221,7 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
             "n_examples": n.get("effective", n.get("original", "")) if isinstance(n, dict) else n,
             "model_args": config.get("model_args") if isinstance(config.get("model_args"), str)
             else json.dumps(config.get("model_args"), sort_keys=True),
-            "source": str(path), "date": iso_date(data.get("date")), **common,
+            "source": _source(path), "date": iso_date(data.get("date")), **common,
         }
         if recs:
             row.update(record_stats(recs, task, task in groups))
@@ -234,7 +242,7 @@ def read_needle(path: Path, common: dict[str, str]) -> list[dict]:
             "score": mean(float(r["correct"]) for r in rs), "metric": "correct",
             "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
             "cache_bytes": mean(float(r["cache_bytes"]) for r in rs),
-            "n_examples": len(rs), "n_records": len(rs), "source": str(path),
+            "n_examples": len(rs), "n_records": len(rs), "source": _source(path),
             "date": max(r["date"] for r in rs), **common,
             "package_version": rs[0].get("package_version", common["package_version"]),
         })
@@ -259,7 +267,7 @@ def read_fidelity(path: Path, common: dict[str, str]) -> list[dict]:
             "score": 1.0 - mean(float(r["damage"]) for r in rs), "metric": "1-damage",
             "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
             "cache_bytes": mean(float(r["cache_bytes"]) for r in rs),
-            "n_examples": len(rs), "n_records": len(rs), "source": str(path),
+            "n_examples": len(rs), "n_records": len(rs), "source": _source(path),
             "date": max(r["date"] for r in rs), **common,
             "package_version": rs[0].get("package_version", common["package_version"]),
         })
@@ -267,7 +275,7 @@ def read_fidelity(path: Path, common: dict[str, str]) -> list[dict]:
         date = max(r["date"] for r in rows if r["model"] == model)
         for method, ratio, score in (("none", "1", 1.0), ("no-context", "0", 0.0)):
             rows.append({"model": model, "benchmark": "fidelity", "task": "continuation", "method": method,
-                         "ratio": ratio, "score": score, "metric": "1-damage", "source": str(path), "date": date,
+                         "ratio": ratio, "score": score, "metric": "1-damage", "source": _source(path), "date": date,
                          **common})
     return rows
 
