@@ -92,8 +92,9 @@ def time_prefill(model, ids) -> float:
     return time.perf_counter() - t0
 
 
-def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float) -> dict[str, float]:
-    """One ``compact_prefilled`` on a copy of the prefilled cache; its report's stage timings."""
+def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float) -> tuple[dict[str, float], int]:
+    """One ``compact_prefilled`` on a copy of the prefilled cache: its report's stage timings and
+    the reference rows per KV head that merging and the fits used (max over layers)."""
     from arckv_press.api import CompactionConfig, compact_prefilled
     from arckv_press.attention import disable_compact_attention
 
@@ -107,7 +108,7 @@ def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float
         disable_compact_attention(model)
     stages = {k: v for k, v in result.report.timings.items() if k != "prefill"}
     stages["compact_total"] = total
-    return stages
+    return stages, result.report.reference_rows
 
 
 def run_press(model, name: str, ratio: float, ids) -> float:
@@ -179,11 +180,14 @@ def model_section(args, meta: dict) -> list[dict]:
                     if method in KVPRESS_METHODS:
                         total = statistics.median(run_press(model, method, ratio, ids) for _ in range(args.repeats))
                         stages = {"press_total": total, "beyond_prefill": total - pre}
+                        fit_rows = ""
                     else:
-                        stages = median_stages([run_compaction(model, tok, cache, ids, prefix_len, method, ratio)
-                                                for _ in range(args.repeats)])
+                        runs = [run_compaction(model, tok, cache, ids, prefix_len, method, ratio)
+                                for _ in range(args.repeats)]
+                        stages = median_stages([r for r, _ in runs])
+                        fit_rows = f" (fit rows per KV head, max over layers: {runs[0][1]})"
                     record(method, ratio, length, stages)
-                    shown = " ".join(f"{k} {v:.2f}" for k, v in stages.items())
+                    shown = " ".join(f"{k} {v:.2f}" for k, v in stages.items()) + fit_rows
                     print(f"  rho {ratio:<5g} {method:<19} {shown}", flush=True)
     print_model_summary(results, args, methods)
     return rows
