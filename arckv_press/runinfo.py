@@ -11,7 +11,9 @@ import datetime as dt
 import os
 import platform
 import shlex
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +34,21 @@ def _version(package: str) -> str:
         return version(package)
     except PackageNotFoundError:
         return "not installed"
+
+
+def median_seconds(fn, repeats: int, warmup: int = 1, reset=None) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` timed calls after ``warmup`` untimed ones;
+    ``reset()`` (untimed) runs after every call to restore any state ``fn`` changed."""
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - t0
+        if reset is not None:
+            reset()
+        if i >= warmup:
+            times.append(elapsed)
+    return statistics.median(times)
 
 
 def _cpu_model() -> str:

@@ -39,9 +39,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -50,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, print_header, run_meta  # noqa: E402
+from arckv_press.runinfo import append_rows, median_seconds, print_header, run_meta  # noqa: E402
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_decode.csv"
 FIELDS = [
@@ -72,15 +70,7 @@ class _Attn(torch.nn.Module):
 
 def median_ms(fn, reset, repeats: int, warmup: int) -> float:
     """Median wall time of ``fn()`` in ms; ``reset()`` (untimed) restores the state after each call."""
-    times = []
-    for i in range(warmup + repeats):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        reset()
-        if i >= warmup:
-            times.append(dt * 1e3)
-    return statistics.median(times)
+    return 1e3 * median_seconds(fn, repeats, warmup, reset)
 
 
 def lse_sketch(q: torch.Tensor, ck: torch.Tensor, bias: torch.Tensor, cv: torch.Tensor,

@@ -117,7 +117,7 @@ def main(argv=None) -> int:
             if reader.fieldnames != FIELDS:
                 raise SystemExit(f"{out} has columns {reader.fieldnames}, expected {FIELDS}; write to another --out")
             done = {(r["config"], float(r["ratio"]), r["dtype"]) for r in reader}
-    model, tok = load_model(dtype=getattr(torch, args.dtype))
+    model, tok = load_model(dtype=args.dtype)
     haystack = load_haystack(None)
     documents = split_documents(tok, haystack[len(haystack) // 2 :], args.docs, args.doc_tokens, args.cont_tokens)
     references: dict = {}

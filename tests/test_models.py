@@ -288,7 +288,7 @@ def test_unknown_hub_id_offline():
         load_model("arckv-no-such-org/no-such-model")
 
 
-def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_cuda(tmp_path):
+def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_cuda():
     """``dtype="auto"`` (the default) resolves by device without touching one; the default model
     loads in float32 on CPU (bf16 matmuls are emulated on AVX2-only CPUs)."""
     assert models._resolve_dtype("auto", "cpu") == torch.float32
