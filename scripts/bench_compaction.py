@@ -39,6 +39,7 @@ import argparse  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -47,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, parse_length, print_header, run_meta  # noqa: E402
+from arckv_press.runinfo import append_rows, median_seconds, parse_length, print_header, run_meta  # noqa: E402
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_compaction.csv"
 COMPACTION_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha")
@@ -82,14 +83,6 @@ def document_ids(tok, haystack: str, length: int) -> tuple[torch.Tensor, int]:
     if len(doc) < length:
         raise ValueError(f"the haystack has only {len(doc)} tokens, {length} needed")
     return encode_document(tok, tok.decode(doc[:length]))
-
-
-def time_prefill(model, ids) -> float:
-    from arckv_press.capture import prefill
-
-    t0 = time.perf_counter()
-    prefill(model, ids)
-    return time.perf_counter() - t0
 
 
 def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float) -> tuple[dict[str, float], int]:
@@ -131,6 +124,7 @@ def model_section(args, meta: dict) -> list[dict]:
 
     model, tok = load_model(args.model, dtype=args.dtype)
     mid = model_id(model)
+    dtype = str(model.dtype).removeprefix("torch.")
     methods = list(args.methods)
     if "arckv" in methods:
         from arckv_press.indexer.checkpoint import default_indexer_path
@@ -138,7 +132,7 @@ def model_section(args, meta: dict) -> list[dict]:
         if default_indexer_path(mid) is None:
             print(f"arckv: skipped (no value-aware indexer is shipped for {mid})")
             methods.remove("arckv")
-    print(f"model {mid}, {args.dtype}; methods {' '.join(methods)}; rho {' '.join(f'{r:g}' for r in args.ratios)}; "
+    print(f"model {mid}, {dtype}; methods {' '.join(methods)}; rho {' '.join(f'{r:g}' for r in args.ratios)}; "
           f"lengths {' '.join(map(str, args.lengths))}; median of {args.repeats} repeat(s)\n", flush=True)
     haystack = load_haystack(args.haystack)
     rows: list[dict] = []
@@ -149,7 +143,7 @@ def model_section(args, meta: dict) -> list[dict]:
         for stage, sec in stages.items():
             rows.append({"section": "model", "method": method, "ratio": f"{ratio:g}", "length": length, "stage": stage,
                          "seconds": f"{sec:.4f}", "repeats": args.repeats, "threads": torch.get_num_threads(),
-                         "dtype": args.dtype, **meta})
+                         "dtype": dtype, **meta})
 
     with torch.inference_mode():
         # warm-up (untimed): a prefill and each kvpress press on a short context; each ARC-KV / AM
@@ -170,15 +164,14 @@ def model_section(args, meta: dict) -> list[dict]:
 
         for length in args.lengths:
             ids, prefix_len = document_ids(tok, haystack, length)
-            time_prefill(model, ids)  # warm-up at this length
-            pre = statistics.median(time_prefill(model, ids) for _ in range(args.repeats))
+            pre = median_seconds(partial(prefill, model, ids), args.repeats)  # warm-up at this length
             record("none", 1.0, length, {"prefill": pre})
             print(f"{length} tokens (+{prefix_len} prefix): prefill {pre:.2f} s", flush=True)
             cache = prefill(model, ids)
             for ratio in args.ratios:
                 for method in methods:
                     if method in KVPRESS_METHODS:
-                        total = statistics.median(run_press(model, method, ratio, ids) for _ in range(args.repeats))
+                        total = median_seconds(partial(run_press, model, method, ratio, ids), args.repeats, warmup=0)
                         stages = {"press_total": total, "beyond_prefill": total - pre}
                         fit_rows = ""
                     else:
@@ -262,12 +255,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
             arc = median_stages(runs)
             omp = None
             if not omp_stopped:
-                secs = []
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    am_compact(Q, K, V, budgets, scaling, "omp-fast")
-                    secs.append(time.perf_counter() - t0)
-                omp = statistics.median(secs)
+                omp = median_seconds(partial(am_compact, Q, K, V, budgets, scaling, "omp-fast"), args.repeats, warmup=0)
                 omp_stopped = omp > args.omp_cap
             for stage, sec in arc.items():
                 rows.append({"section": "synthetic", "method": "arckv-ha", "ratio": f"{ratio:g}", "length": T,
@@ -297,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--omp-cap", type=float, default=300.0, help="stop OMP-fast after a length taking longer (s)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats, median (default 3; quick 1)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="model dtype (default bfloat16, load_model's default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="model dtype (default auto, load_model's default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--model", default=None, help="HF id or path (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--haystack", default=None)
     p.add_argument("--seed", type=int, default=0)

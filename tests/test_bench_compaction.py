@@ -1,0 +1,39 @@
+"""scripts/bench_compaction.py: the synthetic sweep writes its timings and prints ratios of the same run."""
+
+import csv
+
+from conftest import load_script
+
+
+def test_synthetic_sweep_prints_the_ratio_of_the_timings_it_writes(tmp_path, capsys):
+    mod = load_script("bench_compaction")
+    out = tmp_path / "bench.csv"
+    argv = ["--skip-model", "--max-T", "1024", "--queries", "64", "--repeats", "1", "--synthetic-ratios", "0.05",
+            "--out", str(out)]
+    assert mod.main(argv) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert {r["section"] for r in rows} == {"synthetic"} and {r["length"] for r in rows} == {"1024"}
+    arc = {r["stage"]: float(r["seconds"]) for r in rows if r["method"] == "arckv-ha"}
+    assert {"selection", "merge", "beta_fit", "value_fit", "total"} <= set(arc)
+    assert all(v >= 0 for v in arc.values())
+    assert arc["total"] >= arc["merge"] + arc["beta_fit"] + arc["value_fit"]  # stages lie inside the call
+    (omp,) = [float(r["seconds"]) for r in rows if r["method"] == "am-omp-fast"]
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.split()[:2] == ["1024", "0.05"])
+    printed = float(line.split()[-1].rstrip("x"))
+    assert abs(printed - omp / arc["total"]) <= 0.01 + 0.01 * printed  # CSV keeps 4 decimals, the print 2
+
+
+def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys):
+    mod = load_script("bench_compaction")
+    out = tmp_path / "bench.csv"
+    argv = ["--skip-synthetic", "--lengths", "300", "--ratios", "0.2", "--methods", "arckv-ha", "am-omp-fast",
+            "--repeats", "1", "--dtype", "float32", "--out", str(out)]
+    assert mod.main(argv) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert {r["dtype"] for r in rows} == {"float32"} and {r["length"] for r in rows} == {"300"}
+    sec = {(r["method"], r["stage"]): float(r["seconds"]) for r in rows}
+    arc_layers = sum(sec[("arckv-ha", s)] for s in mod.ARCKV_STAGES[1:])
+    assert sec[("arckv-ha", "compact_total")] >= arc_layers + sec[("arckv-ha", "repeat_prefill")] - 1e-3
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.strip().startswith("300 tok, rho 0.2:"))
+    per_layer = float(line.split("am-omp-fast/arckv-ha ")[1].split("x")[0])
+    assert abs(per_layer - sec[("am-omp-fast", "am_total")] / arc_layers) <= 0.01 + 0.01 * per_layer
