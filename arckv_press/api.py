@@ -76,9 +76,6 @@ class CompactionConfig:
             (README, "Why ARC-KV lost needles"): without the witnesses, anchors picked for a
             planted needle get C_v fitted from queries that barely touch them, and the needle is
             lost. ``False`` = the budget rows only (the behaviour before this option).
-        witness_scope: ``"layer"`` (default): each KV head fits on the witnesses of all KV heads
-            of its layer; ``"head"``: on its own anchors' witnesses only, far fewer rows at long
-            contexts (:mod:`arckv_press.compaction.witness`).
     """
 
     method: str = "arckv"
@@ -100,7 +97,6 @@ class CompactionConfig:
     score_queries: str = "all"
     allocation: str = "global"
     fit_witnesses: bool = True
-    witness_scope: str = "layer"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -125,7 +121,7 @@ class CompactionConfig:
 
     def layer_method(self) -> LayerMethod:
         return LayerMethod(self.method, self.lambda_m, self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
-                           fit_witnesses=self.fit_witnesses, witness_scope=self.witness_scope)
+                           fit_witnesses=self.fit_witnesses)
 
 
 @dataclass

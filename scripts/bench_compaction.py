@@ -9,9 +9,7 @@ warm-up one); each ARC-KV / AM method then compacts a copy of that prefilled cac
 ``repeat_prefill`` (reference queries), ``selection`` (anchor scores + top-t), ``fit_rows`` (the
 anchors' witness queries), ``merge`` (key merging), ``beta_fit``, ``value_fit`` (C_v) for ARC-KV, ``am_total`` (select + fit) for AM,
 plus ``compact_total`` (wall time of the whole call, repeat-prefill included, prefill
-excluded). ``arckv-ha:wit=head`` (and ``arckv:wit=head``, ``arckv-vi:wit=head``; opt-in) fit
-each KV head on its own anchors' witnesses (``CompactionConfig(witness_scope="head")``) instead of
-the union over the layer's heads. kvpress presses (SnapKV, KVzip, Expected Attention) are timed end to end
+excluded). kvpress presses (SnapKV, KVzip, Expected Attention) are timed end to end
 (``press_total``: the prefill inside ``with press(model)`` plus the compression);
 ``beyond_prefill`` subtracts the median prefill.
 
@@ -54,8 +52,6 @@ from arckv_press.runinfo import append_rows, median_seconds, parse_length, print
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_compaction.csv"
 COMPACTION_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha")
-#: ARC-KV with per-KV-head witness rows (``CompactionConfig.witness_scope="head"``); opt-in rows
-HEAD_WITNESS = {f"{m}:wit=head": m for m in ("arckv", "arckv-ha", "arckv-vi")}
 KVPRESS_METHODS = ("snapkv", "kvzip", "expected_attention")
 ARCKV_STAGES = ("repeat_prefill", "selection", "fit_rows", "merge", "beta_fit", "value_fit")
 FIELDS = ["section", "method", "ratio", "length", "stage", "seconds", "repeats", "threads", "dtype",
@@ -96,8 +92,7 @@ def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float
     from arckv_press.attention import disable_compact_attention
 
     work = clone_cache(model, cache)
-    config = CompactionConfig(method=HEAD_WITNESS.get(method, method), ratio=ratio,
-                              witness_scope="head" if method in HEAD_WITNESS else "layer")
+    config = CompactionConfig(method=method, ratio=ratio)
     try:
         t0 = time.perf_counter()
         result = compact_prefilled(model, tok, work, ids, prefix_len, config, already_prefilled=True)
@@ -131,12 +126,12 @@ def model_section(args, meta: dict) -> list[dict]:
     mid = model_id(model)
     dtype = str(model.dtype).removeprefix("torch.")
     methods = list(args.methods)
-    if {"arckv", "arckv:wit=head"} & set(methods):
+    if "arckv" in methods:
         from arckv_press.indexer.checkpoint import default_indexer_path
 
         if default_indexer_path(mid) is None:
             print(f"arckv: skipped (no value-aware indexer is shipped for {mid})")
-            methods = [m for m in methods if HEAD_WITNESS.get(m, m) != "arckv"]
+            methods.remove("arckv")
     print(f"model {mid}, {dtype}; methods {' '.join(methods)}; rho {' '.join(f'{r:g}' for r in args.ratios)}; "
           f"lengths {' '.join(map(str, args.lengths))}; median of {args.repeats} repeat(s)\n", flush=True)
     haystack = load_haystack(args.haystack)
@@ -164,9 +159,8 @@ def model_section(args, meta: dict) -> list[dict]:
         for method in methods:
             if method in KVPRESS_METHODS:
                 run_press(model, method, args.ratios[0], warm_ids)
-            elif HEAD_WITNESS.get(method, method) != "arckv":
-                layer_method = CompactionConfig(method=HEAD_WITNESS.get(method, method)).layer_method()
-                compact_layer(Kw, Vw, Qw, torch.full((3,), 51), 0.125, layer_method)
+            elif method != "arckv":
+                compact_layer(Kw, Vw, Qw, torch.full((3,), 51), 0.125, CompactionConfig(method=method).layer_method())
 
         for length in args.lengths:
             ids, prefix_len = document_ids(tok, haystack, length)
@@ -224,10 +218,6 @@ def print_model_summary(results: dict, args, methods: list[str]) -> None:
                 if o is not None:
                     parts.append(f"{omp}/arckv-ha {o['am_total'] / arc_layers:.2f}x per-layer, "
                                  f"{o['compact_total'] / arc['compact_total']:.2f}x end-to-end;")
-            head = results.get(("arckv-ha:wit=head", ratio, length))
-            if head is not None:
-                head_layers = sum(head.get(s, 0.0) for s in ARCKV_STAGES[1:])
-                parts.append(f"arckv-ha / arckv-ha:wit=head {arc_layers / head_layers:.2f}x per-layer;")
             parts.append(f"arckv-ha beyond repeat-prefill / prefill = {arc_layers / pre:.2f}, "
                          f"repeat-prefill / prefill = {arc.get('repeat_prefill', 0.0) / pre:.2f}")
             print(" ".join(parts))
@@ -285,9 +275,8 @@ def synthetic_section(args, meta: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", nargs="+", choices=[*COMPACTION_METHODS, *HEAD_WITNESS, *KVPRESS_METHODS], default=None,
-                   help="model-section methods (default: all but the :wit=head variants, which fit each KV head on "
-                        "its own anchors' witnesses; arckv only when an indexer is shipped)")
+    p.add_argument("--methods", nargs="+", choices=[*COMPACTION_METHODS, *KVPRESS_METHODS], default=None,
+                   help="model-section methods (default: all; arckv only when an indexer is shipped)")
     p.add_argument("--ratios", nargs="+", type=float, default=None, help="kept fractions (default 0.2 0.1 0.05 0.02 0.01)")
     p.add_argument("--lengths", nargs="+", type=parse_length, default=None, help="context tokens (default 1K 2K 4K 8K)")
     p.add_argument("--synthetic-ratios", nargs="+", type=float, default=[0.1], help="rho of the synthetic sweep")

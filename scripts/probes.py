@@ -6,8 +6,7 @@
 A config is ``METHOD[:key=value,...]`` with keys ``ctx`` (share of reference queries from the
 context's own prefill: 0 = repeat-prefill only, the paper's default), ``pool`` (rms, mean,
 max), ``alloc`` (global, fixed), ``score`` (all, budget), ``lam`` (lambda_m, key merging), ``wit`` (1: the fits also use each
-anchor's witness query, union over the layer's KV heads, the default; head: each KV head adds
-only its own anchors' witnesses; 0: the budget rows only), ``qb`` (query_budget rows per KV head),
+anchor's witness query, the default; 0: the budget rows only), ``qb`` (query_budget rows per KV head),
 and the value fit: ``values`` (fit: paper Eq. (value_lstsq);
 anchor: keep the anchors' own values), ``prior`` (zero, anchor) and ``ridge`` (relative lambda_v);
 ``alloc=fixed,score=budget`` is the paper's exact setting. Results are appended to ``leaderboards/probes.csv`` (resumable: a finished config, ratio and
@@ -47,10 +46,10 @@ def _jsonable(obj):
     raise TypeError(f"cannot record {type(obj).__name__} in the options column")
 
 
-def _witness_options(value: str, text: str) -> dict:
-    if value not in ("0", "1", "head"):
-        raise ValueError(f"wit= takes 0, 1 or head, got {value!r} in config {text!r}")
-    return {"fit_witnesses": value != "0", **({"witness_scope": "head"} if value == "head" else {})}
+def _flag(value: str, text: str) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError(f"wit= takes 0 or 1, got {value!r} in config {text!r}")
+    return value == "1"
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -70,7 +69,7 @@ def parse_config(text: str) -> tuple[str, dict]:
         elif key == "lam":
             options["lambda_m"] = float(value)
         elif key == "wit":
-            options.setdefault("config_options", {}).update(_witness_options(value, text))
+            options.setdefault("config_options", {})["fit_witnesses"] = _flag(value, text)
         elif key == "qb":
             options["query_budget"] = int(value)
         elif key in FIT_KEYS:

@@ -121,13 +121,8 @@ def test_probe_config_parsing_builds_press_options():
     assert options == {"config_options": {"fit_witnesses": False}, "query_budget": 512}
     config = make_press(method, 0.2, **options).compaction_config()
     assert config.fit_witnesses is False and config.query_budget == 512
-    default = make_press("arckv-ha", 0.2).compaction_config()
-    assert default.fit_witnesses is True and default.witness_scope == "layer"
-    method, options = mod.parse_config("arckv-ha:wit=head")
-    config = make_press(method, 0.2, **options).compaction_config()
-    assert config.fit_witnesses is True and config.witness_scope == "head"
-    assert config.layer_method().witness_scope == "head"
-    with pytest.raises(ValueError, match="wit= takes 0, 1 or head"):
+    assert make_press("arckv-ha", 0.2).compaction_config().fit_witnesses is True
+    with pytest.raises(ValueError, match="wit= takes 0 or 1"):
         mod.parse_config("arckv-ha:wit=yes")
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from arckv_press.compaction.reference import grouped_rows
-from arckv_press.compaction.witness import anchor_witnesses, fit_positions_with_witnesses, fit_rows_per_head
+from arckv_press.compaction.witness import anchor_witnesses, fit_positions_with_witnesses
 
 
 def _brute_witness(Q, K, anchors, valid, scaling):
@@ -106,106 +106,3 @@ def test_witness_keeps_an_anchor_read_by_one_sharp_query(seed):
             out[wit] = float(((y_hat - y).norm(dim=-1) / y.norm(dim=-1)).mean())
     assert err[True] < 0.4 and err[False] > 0.6
     assert held[True] <= held[False] + 0.01
-
-
-def test_fit_rows_per_head_hold_the_budget_and_only_that_heads_witness_positions():
-    g = torch.Generator().manual_seed(3)
-    H, G, N, T, D = 3, 2, 25, 30, 8
-    Q, K = torch.randn(H, G * N, D, generator=g), torch.randn(H, T, D, generator=g)
-    anchors = torch.stack([torch.randperm(T, generator=g)[:5] for _ in range(H)])
-    valid = torch.ones(H, 5, dtype=torch.bool)
-    valid[2, 2:] = False
-    base = torch.tensor([0, 7, 11])
-    rows, mask = fit_rows_per_head(Q, K, anchors, valid, 0.4, G, base)
-    brute = _brute_witness(Q, K, anchors, valid, 0.4)
-    for h in range(H):
-        own = set(base.tolist()) | {int(brute[h, r]) % N for r in range(5) if valid[h, r]}
-        expected = [gi * N + p for gi in range(G) for p in sorted(own)]
-        m = int(mask[h].sum())
-        assert rows[h, :m].tolist() == expected and bool(mask[h, :m].all())
-        assert not bool(mask[h, m:].any()) and bool((rows[h, m:] == expected[0]).all())  # padding
-    assert rows.shape[1] == max(int(mask[h].sum()) for h in range(H))
-    layer_rows = G * fit_positions_with_witnesses(Q, K, anchors, valid, 0.4, G, base).numel()
-    assert rows.shape[1] <= layer_rows
-
-
-def _padded(Q, keep, g):
-    """Q rows of head h at ``keep[h]`` (lists of row indices), padded with large random rows."""
-    n_max = max(len(k) for k in keep)
-    out = 5.0 * torch.randn(Q.shape[0], n_max, Q.shape[2], generator=g, dtype=Q.dtype)
-    mask = torch.zeros(Q.shape[0], n_max, dtype=torch.bool)
-    for h, k in enumerate(keep):
-        out[h, : len(k)] = Q[h, k]
-        mask[h, : len(k)] = True
-    return out, mask
-
-
-def test_row_mask_equals_fitting_each_head_on_its_own_rows():
-    """merge_keys, fit_beta and fit_values with a row mask give, per head, exactly what they give
-    on that head's unpadded rows alone: padded rows (large random queries) change nothing."""
-    from arckv_press.compaction.fit import FitConfig, fit_beta, fit_values
-    from arckv_press.compaction.merge import merge_keys
-
-    g = torch.Generator().manual_seed(4)
-    H, n, T, D, t = 3, 60, 40, 8, 6
-    Q = torch.randn(H, n, D, generator=g, dtype=torch.float64)
-    K = torch.randn(H, T, D, generator=g, dtype=torch.float64)
-    V = torch.randn(H, T, D, generator=g, dtype=torch.float64)
-    anchors = torch.stack([torch.randperm(T, generator=g)[:t] for _ in range(H)])
-    keep = [list(range(0, 60, 2)), list(range(10, 31)), list(range(n))]
-    Qp, mask = _padded(Q, keep, g)
-    cfg = FitConfig(block_rows=16)  # blocks cut through real and padded rows
-    C_k, assign = merge_keys(Qp, K, anchors, None, 0.3, lambda_m=0.5, block=7, row_mask=mask)
-    beta, w = fit_beta(Qp, K, C_k, 0.3, None, cfg, row_mask=mask)
-    C_v = fit_values(Qp, K, V, C_k, beta, 0.3, None, cfg, row_mask=mask)
-    for h, k in enumerate(keep):
-        one = slice(h, h + 1)
-        Qh = Q[one][:, k]
-        C_k1, assign1 = merge_keys(Qh, K[one], anchors[one], None, 0.3, lambda_m=0.5, block=7)
-        beta1, w1 = fit_beta(Qh, K[one], C_k1, 0.3, None, cfg)
-        C_v1 = fit_values(Qh, K[one], V[one], C_k1, beta1, 0.3, None, cfg)
-        assert torch.equal(assign[h], assign1[0])
-        torch.testing.assert_close(C_k[h], C_k1[0], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(beta[h], beta1[0], rtol=1e-9, atol=1e-9)
-        torch.testing.assert_close(C_v[h], C_v1[0], rtol=1e-8, atol=1e-8)
-
-
-def test_row_mask_errors():
-    from arckv_press.compaction.fit import fit_beta
-
-    Q, K = torch.randn(2, 6, 4), torch.randn(2, 5, 4)
-    mask = torch.ones(2, 6, dtype=torch.bool)
-    mask[1] = False
-    with pytest.raises(ValueError, match="row_mask leaves head 1 without any row"):
-        fit_beta(Q, K, K[:, :2], 1.0, row_mask=mask)
-    with pytest.raises(ValueError, match=r"row_mask must have shape \(2, 6\)"):
-        fit_beta(Q, K, K[:, :2], 1.0, row_mask=torch.ones(2, 5, dtype=torch.bool))
-    with pytest.raises(TypeError, match="row_mask must be a bool tensor"):
-        fit_beta(Q, K, K[:, :2], 1.0, row_mask=torch.ones(2, 6))
-
-
-def test_compact_layer_head_scope_equals_each_head_compacted_alone():
-    """witness_scope="head" gives head h what the layer scope gives when h is compacted alone
-    (its union is then its own witnesses), with fewer fit rows than the layer scope."""
-    from arckv_press.compaction.layer import LayerMethod, compact_layer
-
-    g = torch.Generator().manual_seed(5)
-    H, G, N, T, D = 3, 3, 40, 40, 8
-    K = torch.randn(H, T, D, generator=g, dtype=torch.float64)
-    V = torch.randn(H, T, D, generator=g, dtype=torch.float64)
-    Q = torch.randn(H, G * N, D, generator=g, dtype=torch.float64)
-    budgets, base = torch.tensor([6, 9, 4]), torch.arange(0, N, 4)
-    head = compact_layer(K, V, Q, budgets, 0.35, LayerMethod("arckv-ha", witness_scope="head"),
-                         fit_positions=base, group_size=G)
-    layer = compact_layer(K, V, Q, budgets, 0.35, LayerMethod("arckv-ha"), fit_positions=base, group_size=G)
-    assert head.fit_rows < layer.fit_rows
-    for h in range(H):
-        one = slice(h, h + 1)
-        alone = compact_layer(K[one], V[one], Q[one], budgets[one], 0.35, LayerMethod("arckv-ha"),
-                              fit_positions=base, group_size=G)
-        m = int(head.valid[h].sum())
-        assert torch.equal(head.anchors[h, :m], alone.anchors[0, :m])
-        for name in ("C_k", "beta", "C_v"):
-            torch.testing.assert_close(getattr(head, name)[h, :m], getattr(alone, name)[0, :m], rtol=1e-8, atol=1e-8)
-    with pytest.raises(ValueError, match="witness_scope must be one of"):
-        LayerMethod("arckv-ha", witness_scope="model")

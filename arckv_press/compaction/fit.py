@@ -9,10 +9,6 @@ this CPU build). Logits/exponentials are computed in float32 (float64 for float6
 Results are returned in the dtype of ``K`` except the diagnostic mass weights ``w``
 (float32, so that ``w <= 0`` is exact for dead-anchor counts).
 
-Rows can be masked too (``row_mask [H, n]`` bool, False = padding): a masked row contributes
-nothing to any normal equation, so heads with different numbers of fitting rows can share one
-padded ``Q`` (:mod:`.witness`, per-head witness rows).
-
 Invalid (padded) slots are handled by masking: their columns are removed from every design
 matrix, their rows/columns of the normal equations are replaced by the identity, and they
 come back as beta = 0, w = 0, C_v = 0. Callers must pass ``valid`` to the attention helpers.
@@ -132,24 +128,6 @@ def _mean_diag(A: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     km = keep.to(A.dtype)
     md = (torch.diagonal(A, dim1=-2, dim2=-1) * km).sum(-1) / km.sum(-1).clamp_min(1.0)
     return torch.where(md > 0, md, torch.ones_like(md))
-
-
-def check_row_mask(row_mask: torch.Tensor | None, Q: torch.Tensor) -> torch.Tensor | None:
-    """Validate an optional row mask ``[H, n]`` (bool, on Q's device) for ``Q [H, n, D]``; every
-    head needs at least one unmasked row."""
-    if row_mask is None:
-        return None
-    H, n = Q.shape[:2]
-    if not isinstance(row_mask, torch.Tensor) or row_mask.dtype != torch.bool:
-        raise TypeError(f"row_mask must be a bool tensor, got {getattr(row_mask, 'dtype', type(row_mask).__name__)}")
-    if tuple(row_mask.shape) != (H, n):
-        raise ValueError(f"row_mask must have shape {(H, n)} (heads x rows of Q), got {tuple(row_mask.shape)}")
-    if row_mask.device != Q.device:
-        raise ValueError(f"row_mask on {row_mask.device} but Q on {Q.device}")
-    empty = ~row_mask.any(-1)
-    if bool(empty.any()):
-        raise ValueError(f"row_mask leaves head {int(empty.nonzero()[0])} without any row")
-    return row_mask
 
 
 def spd_solve(
@@ -296,11 +274,9 @@ def _check_compact(C: torch.Tensor, name: str, H: int, D: int | None, device: to
 
 
 def _mass_normal_equations(
-    Q: torch.Tensor, K: torch.Tensor, C_k: torch.Tensor, scaling: float, valid: torch.Tensor, block_rows: int,
-    row_mask: torch.Tensor | None = None,
+    Q: torch.Tensor, K: torch.Tensor, C_k: torch.Tensor, scaling: float, valid: torch.Tensor, block_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulate A = Phi_C^T Phi_C and b = Phi_C^T Phi_K 1 per head (float64), over the rows
-    of ``row_mask`` (all rows when None).
+    """Accumulate A = Phi_C^T Phi_C and b = Phi_C^T Phi_K 1 per head (float64).
 
     Phi rows are shifted by z_i = max_j scaling * q_i . k_j over the FULL K (paper
     Eq. (mass_fit)).
@@ -317,8 +293,6 @@ def _mass_normal_equations(
         z = Lk.amax(-1, keepdim=True)
         zf = torch.exp(Lk - z).sum(-1).double()                       # Phi_K 1, [H, b]
         phi_c = torch.exp(Qb @ Ct - z).masked_fill(~vm, 0.0).double()  # Phi_C, [H, b, t]
-        if row_mask is not None:
-            phi_c = phi_c * row_mask[:, lo:hi, None]
         A = A + phi_c.transpose(1, 2) @ phi_c
         b = b + (phi_c.transpose(1, 2) @ zf[..., None])[..., 0]
     return A, b
@@ -331,7 +305,6 @@ def fit_beta(
     scaling: float,
     valid: torch.Tensor | None = None,
     config: FitConfig = FitConfig(),
-    row_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention-mass bias (paper Eq. (mass_fit)).
 
@@ -342,8 +315,7 @@ def fit_beta(
     b_min, b_max).
 
     Returns ``beta`` ``[H, t]`` (dtype of K) and ``w*`` ``[H, t]`` float32. Invalid slots
-    get beta = 0 and w = 0; callers must pass ``valid`` downstream. ``row_mask [H, n]``: fit
-    head h on its rows with ``row_mask[h]`` True only (module docstring).
+    get beta = 0 and w = 0; callers must pass ``valid`` downstream.
     """
     _check_qk(Q, K)
     scaling = _check_scaling(scaling)
@@ -353,8 +325,7 @@ def fit_beta(
     valid = _check_valid(valid, H, t, K.device)
     if not isinstance(config, FitConfig):
         raise TypeError(f"config must be a FitConfig, got {type(config).__name__}")
-    row_mask = check_row_mask(row_mask, Q)
-    A, b = _mass_normal_equations(Q, K, C_k, scaling, valid, config.block_rows, row_mask)
+    A, b = _mass_normal_equations(Q, K, C_k, scaling, valid, config.block_rows)
     ridge = config.mass_ridge * _mean_diag(A, valid)
     if config.mass_solver == "ls_clamp":
         w, jitter = _masked_spd_solve(A, b, valid, ridge)
@@ -465,7 +436,6 @@ def fit_values(
     config: FitConfig = FitConfig(),
     ridge: float | None = None,
     prior: torch.Tensor | None = None,
-    row_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compact values C_v ``[H, t, Dv]`` (dtype of K), paper Eq. (value_lstsq).
 
@@ -479,7 +449,6 @@ def fit_values(
 
     ``prior`` ``[H, t, Dv]`` (required iff ``config.value_prior == "anchor"``): the ridge then
     shrinks toward it, (P^T P + lambda I) C = P^T Y + lambda prior.
-    ``row_mask [H, n]``: fit head h on its rows with ``row_mask[h]`` True only.
     """
     _check_qk(Q, K)
     _check_values(V, K)
@@ -502,7 +471,6 @@ def fit_values(
         _check_float(prior, "prior", 3)
         if tuple(prior.shape) != (H, t, V.shape[-1]):
             raise ValueError(f"prior must have shape {(H, t, V.shape[-1])}, got {tuple(prior.shape)}")
-    row_mask = check_row_mask(row_mask, Q)
     cd = _compute_dtype(Q, K, V, C_k, beta)
     Kt, Vc = K.to(cd).transpose(1, 2), V.to(cd)
     Ct, bc = C_k.to(cd).transpose(1, 2), beta.to(cd)
@@ -512,8 +480,6 @@ def fit_values(
         Qb = Q[:, lo:hi].to(cd) * scaling
         Y = (torch.softmax(Qb @ Kt, dim=-1) @ Vc).double()
         P = _compact_probs(Qb, Ct, bc, valid).double()
-        if row_mask is not None:
-            P = P * row_mask[:, lo:hi, None]
         G = G + P.transpose(1, 2) @ P
         R = R + P.transpose(1, 2) @ Y
     scale = _mean_diag(G, valid) if config.ridge_relative else torch.ones(H, dtype=torch.float64, device=K.device)
@@ -580,7 +546,6 @@ __all__ = [
     "MASS_SOLVERS",
     "FitConfig",
     "spd_solve",
-    "check_row_mask",
     "fit_beta",
     "fit_values",
     "full_attention",

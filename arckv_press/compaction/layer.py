@@ -24,14 +24,12 @@ from arckv_press.compaction.merge import merge_keys
 from arckv_press.compaction.omp import am_compact
 from arckv_press.compaction.reference import grouped_rows
 from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, vi_scores
-from arckv_press.compaction.witness import fit_positions_with_witnesses, fit_rows_per_head
+from arckv_press.compaction.witness import fit_positions_with_witnesses
 
-__all__ = ["LayerMethod", "LayerResult", "compact_layer", "anchor_scores", "ARCKV_SELECTORS", "AM_VARIANTS",
-           "WITNESS_SCOPES"]
+__all__ = ["LayerMethod", "LayerResult", "compact_layer", "anchor_scores", "ARCKV_SELECTORS", "AM_VARIANTS"]
 
 ARCKV_SELECTORS = {"arckv": "indexer", "arckv-ha": "ha", "arckv-vi": "vi"}
 AM_VARIANTS = {"am-omp": "omp", "am-omp-fast": "omp-fast", "am-ha": "ha"}
-WITNESS_SCOPES = ("layer", "head")
 
 
 @dataclass
@@ -50,10 +48,6 @@ class LayerMethod:
             to that subset. Measured on the default model (README, "Why ARC-KV lost needles"):
             without it, anchors picked for a planted needle get C_v fitted from queries that
             barely touch them and the needle is lost.
-        witness_scope: ``"layer"`` (default): every KV head fits on the union of the layer's
-            witnesses; ``"head"``: each KV head adds only its own anchors' witnesses (fewer
-            rows: merging and the fits cost grows like ``T^2`` instead of ``T^3`` at a fixed
-            ratio; :mod:`.witness`).
     """
 
     name: str = "arckv"
@@ -64,11 +58,8 @@ class LayerMethod:
     fit: FitConfig = field(default_factory=FitConfig)
     block: int = 4096
     fit_witnesses: bool = True
-    witness_scope: str = "layer"
 
     def __post_init__(self) -> None:
-        if self.witness_scope not in WITNESS_SCOPES:
-            raise ValueError(f"witness_scope must be one of {WITNESS_SCOPES}, got {self.witness_scope!r}")
         if self.name not in ARCKV_SELECTORS and self.name not in AM_VARIANTS:
             raise ValueError(
                 f"unknown compaction method {self.name!r}; expected one of "
@@ -94,7 +85,7 @@ class LayerResult:
     anchors: torch.Tensor  # [H, t_max] positions of the anchors
     w: torch.Tensor | None = None  # mass weights before the log (ARC-KV)
     timings: dict[str, float] = field(default_factory=dict)
-    fit_rows: int = 0  # reference rows per KV head that merging and the fits used (max over heads)
+    fit_rows: int = 0  # reference rows per KV head that merging and the fits used
 
 
 class _Stopwatch:
@@ -186,26 +177,20 @@ def compact_layer(
             raise ValueError(f"scores must have shape {tuple(K.shape[:2])} (heads x positions), got {tuple(scores.shape)}")
         idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
         idx, valid = _prefix_order(idx, valid)
-    row_mask = None  # per-head fit rows (witness_scope="head") share one padded Q
     if fit_positions is not None:
         with watch("fit_rows"):
+            if method.fit_witnesses:
+                fit_positions = fit_positions_with_witnesses(Q, K, idx, valid, scaling, group_size, fit_positions)
             if Q.shape[1] % group_size:
                 raise ValueError(f"Q has {Q.shape[1]} rows, not a multiple of group_size={group_size}")
-            if method.fit_witnesses and method.witness_scope == "head":
-                rows, row_mask = fit_rows_per_head(Q, K, idx, valid, scaling, group_size, fit_positions)
-                Q = Q.gather(1, rows[..., None].expand(-1, -1, Q.shape[2]))
-            else:
-                if method.fit_witnesses:
-                    fit_positions = fit_positions_with_witnesses(Q, K, idx, valid, scaling, group_size, fit_positions)
-                Q = Q[:, grouped_rows(fit_positions, Q.shape[1] // group_size, group_size).to(Q.device)]
+            Q = Q[:, grouped_rows(fit_positions, Q.shape[1] // group_size, group_size).to(Q.device)]
     with watch("merge"):
         if method.lambda_m > 0:
-            C_k, _ = merge_keys(Q, K, idx, valid, scaling, lambda_m=method.lambda_m, block=method.block,
-                                row_mask=row_mask)
+            C_k, _ = merge_keys(Q, K, idx, valid, scaling, lambda_m=method.lambda_m, block=method.block)
         else:
             C_k = K.gather(1, idx[:, :, None].expand(-1, -1, K.shape[2])) * valid[:, :, None]
     with watch("beta_fit"):
-        beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit, row_mask=row_mask)
+        beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit)
     with watch("value_fit"):
         V_S = None  # the anchors' own values, gathered only when used
         if method.fit.values == "anchor" or method.fit.value_prior == "anchor":
@@ -213,5 +198,5 @@ def compact_layer(
         if method.fit.values == "anchor":
             C_v = V_S
         else:
-            C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=V_S, row_mask=row_mask)
+            C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=V_S)
     return LayerResult(C_k, beta.float(), C_v, valid, idx, w, timings, Q.shape[1])

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from .fit import check_row_mask
 from .select import (
     _check_positive_int,
     _check_qk,
@@ -82,31 +81,21 @@ def check_anchor_inputs(
     return scaling, valid
 
 
-def _response_profiles(
-    Qs: torch.Tensor, Kb: torch.Tensor, row_mask: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _response_profiles(Qs: torch.Tensor, Kb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised profiles u ``[H, n, b]`` and log phi ``[H, b]`` (up to -z_merge).
 
-    ``Qs`` already carries the softmax scale, so ``Qs @ Kb^T`` are the logits l_ij. Rows
-    outside ``row_mask [H, n]`` get a zero profile entry and do not count in phi's mean.
+    ``Qs`` already carries the softmax scale, so ``Qs @ Kb^T`` are the logits l_ij.
     """
     L = Qs @ Kb.transpose(1, 2)                    # [H, n, b]
-    if row_mask is not None:
-        L = L.masked_fill(~row_mask[..., None], -torch.inf)
     m = L.amax(dim=1, keepdim=True)                 # per-key max over rows
     E = torch.exp(L - m)
     U = E / E.norm(dim=1, keepdim=True)             # norm >= 1: max entry is exactly 1
-    if row_mask is None:
-        mean = E.mean(dim=1)
-    else:
-        mean = E.sum(dim=1) / row_mask.sum(dim=1, keepdim=True).to(E.dtype)
-    log_phi = m.squeeze(1) + torch.log(mean)
+    log_phi = m.squeeze(1) + torch.log(E.mean(dim=1))
     return U, log_phi
 
 
 def _assign_and_log_phi(
-    Q: torch.Tensor, K: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, scaling: float, block: int,
-    row_mask: torch.Tensor | None = None,
+    Q: torch.Tensor, K: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, scaling: float, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     H, T, D = K.shape
     t = anchors.shape[1]
@@ -115,13 +104,13 @@ def _assign_and_log_phi(
     Kc = K.to(cd)
     safe = torch.where(valid, anchors.long(), torch.zeros_like(anchors, dtype=torch.long))
     K_S = torch.gather(Kc, 1, safe[..., None].expand(H, t, D))
-    U_S, _ = _response_profiles(Qs, K_S, row_mask)  # [H, n, t]
+    U_S, _ = _response_profiles(Qs, K_S)            # [H, n, t]
     tie_tol = _TIE_ULPS * torch.finfo(cd).eps
     assignment = torch.empty(H, T, dtype=torch.long, device=K.device)
     log_phi = torch.empty(H, T, dtype=cd, device=K.device)
     for start in range(0, T, block):
         stop = min(start + block, T)
-        U_b, log_phi[:, start:stop] = _response_profiles(Qs, Kc[:, start:stop], row_mask)
+        U_b, log_phi[:, start:stop] = _response_profiles(Qs, Kc[:, start:stop])
         sim = U_b.transpose(1, 2) @ U_S             # [H, b, t] cosine similarities in [0, 1]
         sim = sim.masked_fill(~valid[:, None, :], -1.0)
         best = sim.amax(dim=-1, keepdim=True)
@@ -142,7 +131,6 @@ def assign_to_anchors(
     valid: torch.Tensor | None,
     scaling: float,
     block: int = 4096,
-    row_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Group index kappa(j) in [0, t_max) for every position, ``[H, T]`` long.
 
@@ -150,12 +138,10 @@ def assign_to_anchors(
     its own slot r; every other position j goes to argmax_r u_j . u_{s_r} over valid r, ties
     (within 8 ulps, so rounding cannot split exact duplicates) resolved by the lowest r.
     z_merge is per head and cancels (see the module docstring). Memory per call is
-    O(n t + n block + block t) per head; no ``[H, n, T, t]`` tensor is formed. ``row_mask
-    [H, n]`` (bool): head h's profiles use only its rows with ``row_mask[h]`` True.
+    O(n t + n block + block t) per head; no ``[H, n, T, t]`` tensor is formed.
     """
     scaling, valid = check_anchor_inputs(Q, K, anchors, valid, scaling, block)
-    row_mask = check_row_mask(row_mask, Q)
-    assignment, _ = _assign_and_log_phi(Q, K, anchors, valid, scaling, block, row_mask)
+    assignment, _ = _assign_and_log_phi(Q, K, anchors, valid, scaling, block)
     return assignment
 
 
@@ -167,7 +153,6 @@ def merge_keys(
     scaling: float,
     lambda_m: float = 0.25,
     block: int = 4096,
-    row_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merged compact keys ``C_k`` ``[H, t_max, D]`` (dtype of K) and the assignment ``[H, T]``.
 
@@ -176,18 +161,16 @@ def merge_keys(
     Eq. (key_merge)), so c_r lies in conv{k_j : j in G_r}. Groups are accumulated with
     ``index_add_`` over all heads at once; the centroid weights are evaluated in log space
     (module docstring), so a group whose exponentials would all underflow still gets its
-    mass-weighted centroid. Padded slots get zero rows. ``row_mask [H, n]`` (bool): head h's
-    profiles and masses use only its rows with ``row_mask[h]`` True.
+    mass-weighted centroid. Padded slots get zero rows.
     """
     scaling, valid = check_anchor_inputs(Q, K, anchors, valid, scaling, block)
-    row_mask = check_row_mask(row_mask, Q)
     if isinstance(lambda_m, bool) or not isinstance(lambda_m, (int, float)):
         raise TypeError(f"lambda_m must be a float, got {type(lambda_m).__name__}")
     if not (0.0 <= lambda_m <= 1.0):
         raise ValueError(f"lambda_m must be in [0, 1], got {lambda_m}")
     H, T, D = K.shape
     t = anchors.shape[1]
-    assignment, log_phi = _assign_and_log_phi(Q, K, anchors, valid, scaling, block, row_mask)
+    assignment, log_phi = _assign_and_log_phi(Q, K, anchors, valid, scaling, block)
     cd = log_phi.dtype
     Kc = K.to(cd)
     # centroid weights: exp(log phi_j - max_{G_r} log phi), in (0, 1], max 1 per group

@@ -11,19 +11,11 @@ full-cache attention probability,
 
     i*(j) = argmax_i softmax_u(scaling q_i . k_u)_j        (ties: lowest row),
 
-i.e. the query that most needs that key. Two scopes (``LayerMethod.witness_scope``):
-
-- ``"layer"`` (:func:`fit_positions_with_witnesses`): the positions of all witnesses of a layer
-  (union over its KV heads and valid anchors) join the fitting positions of every KV head. At
-  keep 20% of 2K tokens that union covers almost every position (README), so merging and the
-  fits see about ``G * T`` rows per head and their cost grows like ``T^3`` at a fixed ratio.
-- ``"head"`` (:func:`fit_rows_per_head`): each KV head gets the budget positions plus the
-  positions of *its own* witnesses only (at most ``t`` of them), padded to a common row count
-  and masked (``row_mask`` of the merge and fit functions).
-
-Either way every anchor has at least its strongest query in its head's fit, all query heads of a
-position are kept together (GQA row layout of :mod:`.reference`), and every row is used once, so
-the least-squares fits stay unweighted.
+i.e. the query that most needs that key. :func:`fit_positions_with_witnesses` adds the
+positions of all witnesses of a layer (union over its KV heads and valid anchors) to the
+fitting positions, so every anchor has at least its strongest query in the fit. All query
+heads of a position are kept together (GQA row layout of :mod:`.reference`), and every row is
+used once, so the least-squares fits stay unweighted.
 """
 
 from __future__ import annotations
@@ -31,10 +23,9 @@ from __future__ import annotations
 import torch
 
 from .merge import check_anchor_inputs, check_anchors
-from .reference import grouped_rows
 from .select import _check_positive_int, _compute_dtype, _row_blocks
 
-__all__ = ["anchor_witnesses", "fit_positions_with_witnesses", "fit_rows_per_head"]
+__all__ = ["anchor_witnesses", "fit_positions_with_witnesses"]
 
 
 def anchor_witnesses(
@@ -67,29 +58,6 @@ def anchor_witnesses(
     return rows.masked_fill(~valid, 0)
 
 
-def _witness_positions(
-    Q: torch.Tensor,
-    K: torch.Tensor,
-    anchors: torch.Tensor,
-    valid: torch.Tensor | None,
-    scaling: float,
-    group_size: int,
-    base_positions: torch.Tensor | None,
-) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
-    """``(N, base [m] CPU long, [witness positions of head h (CPU long) for h in heads])``."""
-    _check_positive_int(group_size, "group_size")
-    n = Q.shape[1]
-    if n % group_size:
-        raise ValueError(f"the pool has {n} rows per KV head, not a multiple of group_size={group_size}")
-    N = n // group_size
-    rows = anchor_witnesses(Q, K, anchors, valid, scaling)
-    valid = check_anchors(anchors, valid, K.shape[1])
-    base = torch.zeros(0, dtype=torch.long) if base_positions is None else base_positions.long().cpu()
-    if base.numel() and (int(base.min()) < 0 or int(base.max()) >= N):
-        raise ValueError(f"base_positions must lie in [0, N={N})")
-    return N, base, [(r[v] % N).cpu() for r, v in zip(rows, valid)]
-
-
 def fit_positions_with_witnesses(
     Q: torch.Tensor,
     K: torch.Tensor,
@@ -107,34 +75,15 @@ def fit_positions_with_witnesses(
     valid anchor's witness (:func:`anchor_witnesses`) over all KV heads. Gather the rows with
     :func:`~arckv_press.compaction.reference.grouped_rows`.
     """
-    _, base, witness = _witness_positions(Q, K, anchors, valid, scaling, group_size, base_positions)
-    return torch.unique(torch.cat([base, *witness]), sorted=True)
-
-
-def fit_rows_per_head(
-    Q: torch.Tensor,
-    K: torch.Tensor,
-    anchors: torch.Tensor,
-    valid: torch.Tensor | None,
-    scaling: float,
-    group_size: int,
-    base_positions: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool rows of each KV head's own fit set: ``rows [H, n_max]`` (long, on Q's device) and
-    ``row_mask [H, n_max]`` (bool).
-
-    Head h's rows are the grouped rows (all G query heads) of ``base_positions`` united with the
-    positions of head h's own valid anchors' witnesses, sorted as
-    :func:`~arckv_press.compaction.reference.grouped_rows` orders them; shorter heads are padded
-    with their first row and ``row_mask`` False. Gather with
-    ``Q.gather(1, rows[..., None].expand(-1, -1, D))`` and pass ``row_mask`` to merging and the fits.
-    """
-    N, base, witness = _witness_positions(Q, K, anchors, valid, scaling, group_size, base_positions)
-    per_head = [grouped_rows(torch.unique(torch.cat([base, w]), sorted=True), N, group_size) for w in witness]
-    n_max = max(r.numel() for r in per_head)
-    rows = torch.zeros(len(per_head), n_max, dtype=torch.long)
-    row_mask = torch.zeros(len(per_head), n_max, dtype=torch.bool)
-    for h, r in enumerate(per_head):
-        rows[h] = torch.cat([r, r[:1].expand(n_max - r.numel())])
-        row_mask[h, : r.numel()] = True
-    return rows.to(Q.device), row_mask.to(Q.device)
+    _check_positive_int(group_size, "group_size")
+    n = Q.shape[1]
+    if n % group_size:
+        raise ValueError(f"the pool has {n} rows per KV head, not a multiple of group_size={group_size}")
+    N = n // group_size
+    rows = anchor_witnesses(Q, K, anchors, valid, scaling)
+    valid = check_anchors(anchors, valid, K.shape[1])
+    witness = (rows[valid] % N).cpu()
+    base = torch.zeros(0, dtype=torch.long) if base_positions is None else base_positions.long().cpu()
+    if base.numel() and (int(base.min()) < 0 or int(base.max()) >= N):
+        raise ValueError(f"base_positions must lie in [0, N={N})")
+    return torch.unique(torch.cat([base, witness]), sorted=True)
