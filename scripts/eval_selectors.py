@@ -89,7 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-omp", action="store_true")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="leaderboards/eval_selectors.csv")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto",
+                   help="model dtype of the reference pools (default auto, as inference: bfloat16 on CUDA, float32 on "
+                        "CPU; the README's table of 2026-11-22 used bfloat16 pools)")
     return p.parse_args(argv)
 
 
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
     from arckv_press.models import load_model, model_id
 
     model, tok = load_model(dtype=args.dtype)
+    args.dtype = str(model.dtype).removeprefix("torch.")  # the resolved dtype, as printed and recorded
     mid = model_id(model)
     ck = Path(args.indexer) if args.indexer else default_indexer_path(mid)
     if ck is None:
