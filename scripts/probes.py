@@ -27,12 +27,16 @@ from pathlib import Path
 
 import torch
 
-from arckv_press import __version__
-from arckv_press.compaction.fit import FitConfig
-from arckv_press.haystack import load_haystack
-from arckv_press.models import load_model
-from arckv_press.probes import continuation_probe, needle_probe, split_documents
-from arckv_press.registry import make_press
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`, like the other scripts
+    sys.path.insert(0, str(ROOT))
+
+from arckv_press import __version__  # noqa: E402
+from arckv_press.compaction.fit import FitConfig  # noqa: E402
+from arckv_press.haystack import load_haystack  # noqa: E402
+from arckv_press.models import load_model  # noqa: E402
+from arckv_press.probes import continuation_probe, needle_probe, split_documents  # noqa: E402
+from arckv_press.registry import make_press  # noqa: E402
 
 FIT_KEYS = {"values": "values", "prior": "value_prior", "ridge": "ridge_v"}  # probe key -> FitConfig field
 FIELDS = ["config", "method", "ratio", "dtype", "options", "needle_found", "needle_total", "damage", "damage_docs",
