@@ -72,7 +72,7 @@ from arckv_press.indexer.data import (  # noqa: E402
     load_squad_articles,
 )
 from arckv_press.indexer.model import ValueAwareIndexer  # noqa: E402
-from arckv_press.indexer.run import parse_layers  # noqa: E402
+from arckv_press.indexer.run import load_shard_layers, parse_layers  # noqa: E402
 
 RATIOS = (0.2, 0.1, 0.05, 0.02, 0.01)
 POOLINGS = ("rms", "mean", "max")
@@ -82,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 contexts, 5 layers, 3 ratios")
     p.add_argument("--indexer", default=None, help="checkpoint dir (default: the shipped one)")
+    p.add_argument("--shards", default=None,
+                   help="layer-shard dir of a `train_indexer.py --layers ...` run: its layers replace the checkpoint's")
     p.add_argument("--contexts", type=int, default=None, help="development contexts (default all)")
     p.add_argument("--layers", default=None, help="e.g. 0-29, 0,6,12 or all (default every 3rd layer)")
     p.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
@@ -155,6 +157,8 @@ def main(argv=None) -> int:
     from arckv_press.models import config_hash
 
     indexer, meta, bw = load_indexer(ck, model_id=mid, config_hash=config_hash(model.config))
+    if args.shards:
+        print(f"layers {load_shard_layers(indexer, args.shards)} from the shards in {args.shards}")
     init_indexer = ValueAwareIndexer(indexer.config, seed=int(meta.training.get("init_seed", 0)))
     spec = ContextSpec(**meta.training.get("context_spec", {})) if meta.training.get("context_spec") else ContextSpec(1200, 1800)
     pset = PoolSettings(**meta.training.get("pool_settings", {})) if meta.training.get("pool_settings") else PoolSettings()

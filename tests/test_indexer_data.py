@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from arckv_press.indexer import data as D
 from arckv_press.indexer.checkpoint import load_indexer
-from arckv_press.indexer.model import PARAM_NAMES
+from arckv_press.indexer.model import PARAM_NAMES, ValueAwareIndexer
 from arckv_press.models import config_hash, model_id
 
 DATA_DIR = D.default_data_dir()
@@ -239,6 +239,15 @@ def test_train_script_smoke_shards_resume_and_merge(tiny_model, tiny_tokenizer, 
     for k in PARAM_NAMES:
         torch.testing.assert_close(indexer.layer_params(1)[k], a[k])
     assert (indexer.config.n_index_heads, indexer.config.d_index) == (2, 4)
+    # load_shard_layers: the layers of a shard dir replace a checkpoint's, the others stay
+    fresh = ValueAwareIndexer(indexer.config, seed=7)
+    before = {k: v.clone() for k, v in fresh.layer_params(0).items()}
+    assert run.load_shard_layers(fresh, tmp_path / "one_go") == [1]
+    for k in PARAM_NAMES:
+        torch.testing.assert_close(fresh.layer_params(1)[k], b[k])
+        assert torch.equal(fresh.layer_params(0)[k], before[k])
+    with pytest.raises(ValueError, match="no finished layer shard"):
+        run.load_shard_layers(fresh, tmp_path)
     tr = meta.training
     assert tr["source_file"] == "squad.json" and tr["train_contexts"]["contexts"] == 3
     assert tr["epochs"] == {"kl": 1, "joint": 1} and tr["run_fingerprint"] and meta.package_version

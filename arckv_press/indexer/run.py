@@ -84,6 +84,7 @@ __all__ = [
     "layer_state_path",
     "train_shard",
     "read_shard",
+    "load_shard_layers",
     "merge_shards",
     "default_shard_dir",
     "parse_layers",
@@ -176,6 +177,22 @@ def read_shard(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
         meta = json.loads((f.metadata() or {}).get("arckv_shard", "{}"))
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     return tensors, meta
+
+
+def load_shard_layers(indexer: ValueAwareIndexer, shard_dir: str | Path) -> list[int]:
+    """Copy the parameters of every finished layer shard in ``shard_dir`` into ``indexer`` (the
+    other layers stay as they are; used to evaluate a ``--layers`` training run inside a full
+    checkpoint). Returns the layers replaced, sorted."""
+    paths = sorted(Path(shard_dir).glob("layer_*.safetensors"))
+    if not paths:
+        raise ValueError(f"no finished layer shard (layer_NN.safetensors) in {shard_dir}")
+    layers = []
+    for path in paths:
+        tensors, meta = read_shard(path)
+        layer = int(meta["layer"])
+        indexer.set_layer_params(layer, {k: tensors[k] for k in PARAM_NAMES})
+        layers.append(layer)
+    return layers
 
 
 def _log(msg: str) -> None:
