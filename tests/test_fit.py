@@ -300,6 +300,28 @@ def test_anchor_values_keep_the_original_values_and_the_same_beta():
         assert bool((kept.C_v[h, n:] == 0).all())
 
 
+def test_compact_layer_fits_each_head_at_its_own_anchor_count():
+    """Heads with very different budgets: ``compact_layer`` (one head at a time, unpadded) gives the
+    result of the padded batched composition select -> merge_keys -> fit_beta -> fit_values over all
+    heads at t_max (padded slots masked), and zeros in the padded slots."""
+    from arckv_press.compaction.layer import LayerMethod, _prefix_order, compact_layer
+    from arckv_press.compaction.merge import merge_keys
+    from arckv_press.compaction.select import chunked_topk_anchors, ha_scores
+
+    Q, K, V, _ = _problem(H=3, n=80, T=40)
+    budgets = torch.tensor([2, 17, 6])
+    res = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha"))
+    idx, valid = _prefix_order(*chunked_topk_anchors(ha_scores(Q, K, 0.3, pooling="rms"), budgets, 4096, 10_000))
+    C_k, _ = merge_keys(Q, K, idx, valid, 0.3, lambda_m=0.25)
+    beta, w = fit_beta(Q, K, C_k, 0.3, valid)
+    C_v = fit_values(Q, K, V, C_k, beta, 0.3, valid)
+    torch.testing.assert_close(res.anchors[valid], idx[valid], rtol=0, atol=0)
+    torch.testing.assert_close(res.valid, valid, rtol=0, atol=0)
+    for got, ref in [(res.C_k, C_k), (res.beta, beta.float()), (res.C_v, C_v), (res.w, w)]:
+        torch.testing.assert_close(got * valid[..., None] if got.ndim == 3 else got * valid, ref, rtol=1e-6, atol=1e-8)
+        assert bool((got[~valid] == 0).all())
+
+
 def test_anchor_values_bad_inputs():
     from arckv_press.compaction.layer import LayerMethod
 
