@@ -131,8 +131,14 @@ def test_shapes_and_reference_logits():
     assert I.shape == (3, 5, 9) and I.dtype == torch.float32
     np.testing.assert_allclose(I.detach().double().numpy(), reference_logits(model, 1, X, Q, K, V),
                                rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # the in-place path of pair_logits (autograd off) gives the same logits
+        np.testing.assert_allclose(model.logits(1, X, Q, K, V).double().numpy(),
+                                   reference_logits(model, 1, X, Q, K, V), rtol=1e-4, atol=1e-4)
     s = model.scores(1, X, Q, K, V)
     assert s.shape == (3, 9)
+    # scores = RMS over rows of the row-wise softmax of the reference logits (Eq. (indexer_pooling))
+    P = torch.softmax(torch.from_numpy(reference_logits(model, 1, X, Q, K, V)), dim=-1)
+    np.testing.assert_allclose(s.double().numpy(), P.pow(2).mean(1).sqrt().numpy(), rtol=1e-4, atol=1e-6)
 
 
 def test_query_key_only_checkpoint_reproduces_logits_exactly():

