@@ -72,7 +72,7 @@ from arckv_press.indexer.data import (  # noqa: E402
     load_squad_articles,
 )
 from arckv_press.indexer.model import ValueAwareIndexer  # noqa: E402
-from arckv_press.indexer.run import load_shard_layers, parse_layers  # noqa: E402
+from arckv_press.indexer.run import load_shard_layers, parse_layers, shard_config  # noqa: E402
 
 RATIOS = (0.2, 0.1, 0.05, 0.02, 0.01)
 POOLINGS = ("rms", "mean", "max")
@@ -157,8 +157,14 @@ def main(argv=None) -> int:
     from arckv_press.models import config_hash
 
     indexer, meta, bw = load_indexer(ck, model_id=mid, config_hash=config_hash(model.config))
+    shard_layers = None
     if args.shards:
-        print(f"layers {load_shard_layers(indexer, args.shards)} from the shards in {args.shards}")
+        if shard_config(args.shards) != indexer.config:  # another size (e.g. --n-index-heads): only its layers exist
+            indexer = ValueAwareIndexer(shard_config(args.shards))
+            shard_layers = load_shard_layers(indexer, args.shards)
+            print(f"indexer config {indexer.config.to_dict()} of the shards: only layers {shard_layers} are evaluated")
+        else:
+            print(f"layers {load_shard_layers(indexer, args.shards)} from the shards in {args.shards}")
     init_indexer = ValueAwareIndexer(indexer.config, seed=int(meta.training.get("init_seed", 0)))
     spec = ContextSpec(**meta.training.get("context_spec", {})) if meta.training.get("context_spec") else ContextSpec(1200, 1800)
     pset = PoolSettings(**meta.training.get("pool_settings", {})) if meta.training.get("pool_settings") else PoolSettings()
@@ -171,6 +177,9 @@ def main(argv=None) -> int:
         layers = list(range(0, L, 7)) if args.quick else list(range(0, L, 3))
     else:
         layers = parse_layers(args.layers, L) or list(range(L))
+    if shard_layers is not None and not set(layers) <= set(shard_layers):
+        raise SystemExit(f"--shards {args.shards} has another indexer config than the checkpoint and only layers "
+                         f"{shard_layers}; pass --layers within them (asked for {layers})")
     ratios = tuple(args.ratios) if not (args.quick and args.ratios == list(RATIOS)) else (0.2, 0.05, 0.01)
     paths = build_pools(model, tok, dev, default_pool_dir(model), pset, progress=True)
     weights_sel = bw[layers].double() if bw is not None else None

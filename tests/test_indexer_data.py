@@ -7,6 +7,8 @@ import json
 import random
 from pathlib import Path
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -248,6 +250,11 @@ def test_train_script_smoke_shards_resume_and_merge(tiny_model, tiny_tokenizer, 
         assert torch.equal(fresh.layer_params(0)[k], before[k])
     with pytest.raises(ValueError, match="no finished layer shard"):
         run.load_shard_layers(fresh, tmp_path)
+    # shards of another indexer size: their config is read back, and they never go into this indexer
+    assert run.shard_config(tmp_path / "one_go") == indexer.config
+    wider = ValueAwareIndexer(replace(indexer.config, n_index_heads=3), seed=7)
+    with pytest.raises(ValueError, match="have indexer config"):
+        run.load_shard_layers(wider, tmp_path / "one_go")
     tr = meta.training
     assert tr["source_file"] == "squad.json" and tr["train_contexts"]["contexts"] == 3
     assert tr["epochs"] == {"kl": 1, "joint": 1} and tr["run_fingerprint"] and meta.package_version
