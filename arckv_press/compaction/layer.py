@@ -43,7 +43,8 @@ class LayerMethod:
         pooling: row pooling of Eq. (indexer_pooling): ``rms`` (paper), ``mean`` or ``max``.
         chunk_len / chunk_min_length: chunked top-t for long contexts (App. KV-Based Chunking).
         fit: beta / C_v fitting options.
-        block: position block of the merge assignment (bounds memory).
+        block: position block of the merge assignment (bounds memory; 256 keeps the ``[n, block]``
+            profiles in the CPU caches: measured 1.9x faster than 4096 at T = 4K, 11.5K rows).
         fit_witnesses: when merging and the fits use a subset of the scoring pool, add every
             anchor's witness query (the pooled row that attends to it most, :mod:`.witness`)
             to that subset. Measured on the default model (README, "Why ARC-KV lost needles"):
@@ -57,7 +58,7 @@ class LayerMethod:
     chunk_len: int = 4096
     chunk_min_length: int = 10_000
     fit: FitConfig = field(default_factory=FitConfig)
-    block: int = 4096
+    block: int = 256
     fit_witnesses: bool = True
 
     def __post_init__(self) -> None:

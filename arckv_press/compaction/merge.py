@@ -130,7 +130,7 @@ def assign_to_anchors(
     anchors: torch.Tensor,
     valid: torch.Tensor | None,
     scaling: float,
-    block: int = 4096,
+    block: int = 256,
 ) -> torch.Tensor:
     """Group index kappa(j) in [0, t_max) for every position, ``[H, T]`` long.
 
@@ -152,7 +152,7 @@ def merge_keys(
     valid: torch.Tensor | None,
     scaling: float,
     lambda_m: float = 0.25,
-    block: int = 4096,
+    block: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merged compact keys ``C_k`` ``[H, t_max, D]`` (dtype of K) and the assignment ``[H, T]``.
 

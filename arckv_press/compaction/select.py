@@ -187,7 +187,7 @@ def pool_logits(logits_blocks: Iterable[torch.Tensor], pooling: str = "rms") -> 
 def pooled_softmax_scores(
     logit_fn: Callable[[int, int], torch.Tensor],
     n_rows: int,
-    block_rows: int = 1024,
+    block_rows: int = 256,
     pooling: str = "rms",
 ) -> torch.Tensor:
     """Pool softmax probabilities of ``logit_fn(start, stop) -> [H, stop-start, T]`` over rows.
@@ -205,7 +205,7 @@ def pooled_softmax_scores(
 
 
 def ha_scores(
-    Q: torch.Tensor, K: torch.Tensor, scaling: float, pooling: str = "rms", block_rows: int = 1024
+    Q: torch.Tensor, K: torch.Tensor, scaling: float, pooling: str = "rms", block_rows: int = 256
 ) -> torch.Tensor:
     """Highest-attention scores s^HA ``[H, T]`` float32.
 
@@ -265,7 +265,7 @@ def vi_scores(
     scaling: float,
     pooling: str = "rms",
     eps: float = 1e-6,
-    block_rows: int = 1024,
+    block_rows: int = 256,
 ) -> torch.Tensor:
     """Value-influence scores s^VI ``[H, T]`` float32 (paper Eq. (background_value_selectors)).
 

@@ -34,7 +34,7 @@ def anchor_witnesses(
     anchors: torch.Tensor,
     valid: torch.Tensor | None,
     scaling: float,
-    block_rows: int = 1024,
+    block_rows: int = 256,
 ) -> torch.Tensor:
     """Row index ``[H, t]`` of each anchor's witness query (module docstring).
 

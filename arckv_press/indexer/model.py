@@ -412,7 +412,7 @@ class ValueAwareIndexer(nn.Module):
 
     @torch.no_grad()
     def scores(self, layer: int, X: Tensor, Q: Tensor, K: Tensor, V: Tensor, pooling: str = "rms",
-               block_rows: int = 256, block_T: int = 4096) -> Tensor:
+               block_rows: int = 64, block_T: int = 4096) -> Tensor:
         """Context-level scores ``s [H, T]`` (paper Eq. (indexer_pooling)), computed blockwise.
 
         Rows are processed ``block_rows`` at a time and positions ``block_T`` at a time: the
