@@ -294,8 +294,8 @@ def _mass_normal_equations(
         z = Lk.amax(-1, keepdim=True)
         zf = torch.exp(Lk - z).sum(-1).double()                       # Phi_K 1, [H, b]
         phi_c = torch.exp(Qb @ Ct - z).masked_fill(~vm, 0.0).double()  # Phi_C, [H, b, t]
-        A = A + phi_c.transpose(1, 2) @ phi_c
-        b = b + (phi_c.transpose(1, 2) @ zf[..., None])[..., 0]
+        A.baddbmm_(phi_c.transpose(1, 2), phi_c)                        # in place: A is [H, t, t]
+        b.add_((phi_c.transpose(1, 2) @ zf[..., None])[..., 0])
     return A, b
 
 
@@ -481,8 +481,8 @@ def fit_values(
         Qb = Q[:, lo:hi].to(cd) * scaling
         Y = (torch.softmax(Qb @ Kt, dim=-1) @ Vc).double()
         P = _compact_probs(Qb, Ct, bc, valid).double()
-        G = G + P.transpose(1, 2) @ P
-        R = R + P.transpose(1, 2) @ Y
+        G.baddbmm_(P.transpose(1, 2), P)                                 # in place: G is [H, t, t]
+        R.baddbmm_(P.transpose(1, 2), Y)
     scale = _mean_diag(G, valid) if config.ridge_relative else torch.ones(H, dtype=torch.float64, device=K.device)
     if prior is not None:
         R = R + (lam * scale)[:, None, None] * prior.double()
