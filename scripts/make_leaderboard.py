@@ -150,9 +150,13 @@ def pick_metric(values: dict[str, Any]) -> tuple[str, float] | None:
 
 # ---------------------------------------------------------------------------- readers
 def read_records(files: list[Path]) -> dict[tuple[str, str, str], list[dict]]:
-    """Compaction records grouped by (short model, press, ratio)."""
+    """Compaction records grouped by (short model, press, ratio); each record remembers its folder
+    (``_dir``), so that a results file uses the records written next to it (``run_evals.py``
+    layout) rather than those of another benchmark run with the same press and ratio. A document
+    compacted twice in one file (a run interrupted and resumed) counts once: its last record."""
     out: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for path in files:
+        latest: dict[tuple, dict] = {}
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
@@ -163,6 +167,11 @@ def read_records(files: list[Path]) -> dict[tuple[str, str, str], list[dict]]:
             for field in ("model", "press", "ratio"):
                 if field not in rec:
                     raise ValueError(f"{path}:{n}: record lacks {field!r}")
+            doc = rec.get("document_sha1")
+            ident = (rec["model"], rec["press"], rec["ratio"], doc, tuple(rec.get("tasks") or ())) if doc else (n,)
+            latest.pop(ident, None)                  # re-insert: keeps file order of the last copies
+            latest[ident] = {**rec, "_dir": path.parent.resolve()}
+        for rec in latest.values():
             out[(short_model(rec["model"]), str(rec["press"]), fmt_ratio(rec["ratio"]))].append(rec)
     return out
 
@@ -208,6 +217,7 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
     recs = records.get((short_model(model), method, ratio)) or (
         records.get((short_model(model), method, fmt_ratio(args.get("ratio", 0.1)))) if method == "none" else None
     ) or []
+    recs = [r for r in recs if r.get("_dir") == path.parent.resolve()] or recs
     rows = []
     for task, values in sorted(data["results"].items()):
         picked = pick_metric(values)

@@ -134,6 +134,30 @@ def test_leaderboard_rows_merge_and_plots(ml, tmp_path, capsys):
     assert float(row(read(out / "leaderboard.csv"), method="arckv", ratio="0.1")["score"]) == pytest.approx(0.42)
 
 
+def test_records_next_to_a_result_win_and_resumed_documents_count_once(ml, tmp_path):
+    """run_evals.py layout: <bench>/<method>_<ratio>/{results.json, arckv_compaction.jsonl}. The same
+    press and ratio on another benchmark must not enter this benchmark's compaction seconds, and a
+    document compacted twice (run interrupted and resumed) counts once, with its last record."""
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    runs, out = tmp_path / "lm_eval", tmp_path / "lb"
+    for bench, secs in (("ruler", [2.0, 4.0]), ("quality", [50.0])):
+        folder = runs / bench / "kvzip_0.1"
+        results_json(folder / "results.json", "hf-arckv", f"pretrained={model},press=kvzip,ratio=0.1",
+                     {bench: 0.5}, 1.7e9)
+        records_jsonl(folder / "arckv_compaction.jsonl", "kvzip", 0.1, secs, [bench])
+    with open(runs / "ruler" / "kvzip_0.1" / "arckv_compaction.jsonl") as f:
+        first = json.loads(f.readline())
+    with open(runs / "ruler" / "kvzip_0.1" / "arckv_compaction.jsonl", "a") as f:  # document 0 again, resumed
+        f.write(json.dumps({**first, "compaction_seconds": 6.0}) + "\n")
+    ml.main(["--results", str(runs / "**" / "results.json"), "--records", str(runs / "**" / "*.jsonl"),
+             "--out-dir", str(out), "--no-plots"])
+    rows = read(out / "leaderboard.csv")
+    ruler = row(rows, benchmark="ruler", method="kvzip")
+    assert float(ruler["compaction_seconds"]) == pytest.approx(5.0)  # mean(6 (last copy of doc 0), 4)
+    assert ruler["n_records"] == "2"
+    assert float(row(rows, benchmark="quality", method="kvzip")["compaction_seconds"]) == pytest.approx(50.0)
+
+
 def test_needle_and_probes(ml, tmp_path):
     out = tmp_path / "lb"
     out.mkdir()
