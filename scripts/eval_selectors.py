@@ -159,8 +159,9 @@ def main(argv=None) -> int:
     indexer, meta, bw = load_indexer(ck, model_id=mid, config_hash=config_hash(model.config))
     shard_layers = None
     if args.shards:
-        if shard_config(args.shards) != indexer.config:  # another size (e.g. --n-index-heads): only its layers exist
-            indexer = ValueAwareIndexer(shard_config(args.shards))
+        shards_cfg = shard_config(args.shards)
+        if shards_cfg != indexer.config:  # another size (e.g. --n-index-heads): only its layers exist
+            indexer = ValueAwareIndexer(shards_cfg)
             shard_layers = load_shard_layers(indexer, args.shards)
             print(f"indexer config {indexer.config.to_dict()} of the shards: only layers {shard_layers} are evaluated")
         else:

@@ -157,6 +157,7 @@ def read_records(files: list[Path]) -> dict[tuple[str, str, str], list[dict]]:
     out: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for path in files:
         latest: dict[tuple, dict] = {}
+        folder = path.parent.resolve()
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
@@ -170,7 +171,7 @@ def read_records(files: list[Path]) -> dict[tuple[str, str, str], list[dict]]:
             doc = rec.get("document_sha1")
             ident = (rec["model"], rec["press"], rec["ratio"], doc, tuple(rec.get("tasks") or ())) if doc else (n,)
             latest.pop(ident, None)                  # re-insert: keeps file order of the last copies
-            latest[ident] = {**rec, "_dir": path.parent.resolve()}
+            latest[ident] = {**rec, "_dir": folder}
         for rec in latest.values():
             out[(short_model(rec["model"]), str(rec["press"]), fmt_ratio(rec["ratio"]))].append(rec)
     return out
@@ -217,7 +218,8 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
     recs = records.get((short_model(model), method, ratio)) or (
         records.get((short_model(model), method, fmt_ratio(args.get("ratio", 0.1)))) if method == "none" else None
     ) or []
-    recs = [r for r in recs if r.get("_dir") == path.parent.resolve()] or recs
+    folder = path.parent.resolve()
+    recs = [r for r in recs if r.get("_dir") == folder] or recs
     rows = []
     for task, values in sorted(data["results"].items()):
         picked = pick_metric(values)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch

@@ -85,6 +85,7 @@ __all__ = [
     "train_shard",
     "read_shard",
     "load_shard_layers",
+    "shard_config",
     "merge_shards",
     "default_shard_dir",
     "parse_layers",
@@ -179,14 +180,19 @@ def read_shard(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
     return tensors, meta
 
 
-def shard_config(shard_dir: str | Path) -> IndexerConfig:
-    """The :class:`IndexerConfig` the finished layer shards in ``shard_dir`` were trained with
-    (they must all agree)."""
+def _shard_paths(shard_dir: str | Path) -> list[Path]:
     paths = sorted(Path(shard_dir).glob("layer_*.safetensors"))
     if not paths:
         raise ValueError(f"no finished layer shard (layer_NN.safetensors) in {shard_dir}")
+    return paths
+
+
+def shard_config(shard_dir: str | Path) -> IndexerConfig:
+    """The :class:`IndexerConfig` the finished layer shards in ``shard_dir`` were trained with
+    (they must all agree)."""
+    paths = _shard_paths(shard_dir)
     configs = {path.name: IndexerConfig.from_dict(read_shard(path)[1]["indexer_config"]) for path in paths}
-    first = next(iter(configs.values()))
+    first = configs[paths[0].name]
     odd = [name for name, cfg in configs.items() if cfg != first]
     if odd:
         raise ValueError(f"layer shards in {shard_dir} were trained with different indexer configs: {odd} vs {paths[0].name}")
@@ -196,18 +202,17 @@ def shard_config(shard_dir: str | Path) -> IndexerConfig:
 def load_shard_layers(indexer: ValueAwareIndexer, shard_dir: str | Path) -> list[int]:
     """Copy the parameters of every finished layer shard in ``shard_dir`` into ``indexer`` (the
     other layers stay as they are; used to evaluate a ``--layers`` training run inside a full
-    checkpoint). The shards must have ``indexer``'s config. Returns the layers replaced, sorted."""
-    cfg = shard_config(shard_dir)
-    if cfg != indexer.config:
-        raise ValueError(f"the shards in {shard_dir} have indexer config {cfg.to_dict()}, the indexer has "
-                         f"{indexer.config.to_dict()}; build a ValueAwareIndexer(shard_config(dir)) for them")
-    layers = []
-    for path in sorted(Path(shard_dir).glob("layer_*.safetensors")):
-        tensors, meta = read_shard(path)
-        layer = int(meta["layer"])
-        indexer.set_layer_params(layer, {k: tensors[k] for k in PARAM_NAMES})
-        layers.append(layer)
-    return layers
+    checkpoint). Every shard must have ``indexer``'s config (checked before anything is copied).
+    Returns the layers replaced, sorted."""
+    shards = [read_shard(path) for path in _shard_paths(shard_dir)]
+    for _, meta in shards:
+        cfg = IndexerConfig.from_dict(meta["indexer_config"])
+        if cfg != indexer.config:
+            raise ValueError(f"the shards in {shard_dir} have indexer config {cfg.to_dict()}, the indexer has "
+                             f"{indexer.config.to_dict()}; build a ValueAwareIndexer(shard_config(dir)) for them")
+    for tensors, meta in shards:
+        indexer.set_layer_params(int(meta["layer"]), {k: tensors[k] for k in PARAM_NAMES})
+    return [int(meta["layer"]) for _, meta in shards]
 
 
 def _log(msg: str) -> None:
