@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from arckv_press.presses import ARCKVPress, AttentionMatchingPress, kept_to_compression, resolve_kept_ratio
 
-__all__ = ["METHODS", "METHOD_NAMES", "MethodSpec", "make_press", "describe_methods", "prefill_with_press"]
+__all__ = ["METHODS", "METHOD_NAMES", "MethodSpec", "make_press", "describe_methods", "prefill_with_press", "indexer_id"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class MethodSpec:
     description: str
     build: Callable[..., BasePress | None]
     family: str  # "arckv", "am", "kvpress" or "none"
+    uses_indexer: bool = False  # results depend on the learned indexer checkpoint
 
 
 def _kvpress(cls: type[BasePress]) -> Callable[..., BasePress]:
@@ -72,7 +73,7 @@ def _none(ratio: float, **options: Any) -> None:
 
 
 _ENTRIES = [
-    MethodSpec("arckv", "ARC-KV with the learned value-aware indexer (needs a trained indexer checkpoint)", _arckv("indexer"), "arckv"),
+    MethodSpec("arckv", "ARC-KV with the learned value-aware indexer (needs a trained indexer checkpoint)", _arckv("indexer"), "arckv", True),
     MethodSpec("arckv-ha", "ARC-KV with highest-attention anchors (training-free)", _arckv("ha"), "arckv"),
     MethodSpec("arckv-vi", "ARC-KV with value-influence anchors (training-free)", _arckv("vi"), "arckv"),
     MethodSpec("am-omp", "Attention Matching, OMP key selection + fitted beta/C_v", _am("omp"), "am"),
@@ -91,6 +92,27 @@ _ENTRIES = [
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _ENTRIES}
 METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
+
+
+def indexer_id(name: str, model_id: str, indexer: Any = None) -> str:
+    """Content id (:func:`~arckv_press.indexer.checkpoint.checkpoint_id`) of the indexer checkpoint
+    method ``name`` uses for ``model_id``: ``indexer`` (a checkpoint path) or the shipped one.
+
+    ``""`` for methods without a learned indexer and when no checkpoint is found; ``"in-memory"``
+    for a loaded indexer object. Results store it so that resumed runs never mix checkpoints.
+    """
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_NAMES)}")
+    if not METHODS[name].uses_indexer:
+        return ""
+    from pathlib import Path
+
+    from arckv_press.indexer.checkpoint import checkpoint_id, default_indexer_path
+
+    if indexer is not None and not isinstance(indexer, (str, Path)):
+        return "in-memory"
+    path = indexer if indexer is not None else default_indexer_path(model_id)
+    return "" if path is None else checkpoint_id(path)
 
 
 def make_press(name: str, ratio: float, **options: Any) -> BasePress | None:

@@ -27,7 +27,8 @@ training doing anything?), ``ha``, ``vi``, ``omp-fast``; ablations: pooling rms 
 
 Prints markdown tables (command line, machine, data at the top) and writes
 ``leaderboards/eval_selectors.csv`` (one row per context x layer x selector x pooling x
-budgets x ratio).
+budgets x ratio; column ``indexer``: the checkpoint id of the ``indexer`` rows,
+``arckv_press.indexer.checkpoint_id``, plus ``+shards:DIR`` when ``--shards`` replaced layers).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from arckv_press.compaction.fit import full_attention  # noqa: E402
 from arckv_press.compaction.omp import AM_OMP_FAST, omp_select  # noqa: E402
 from arckv_press.compaction.select import ha_scores, per_head_budgets, topk_anchors, vi_scores  # noqa: E402
 from arckv_press.indexer.budget import fit_holdout_split, heldout_error  # noqa: E402
-from arckv_press.indexer.checkpoint import default_indexer_path, load_indexer  # noqa: E402
+from arckv_press.indexer.checkpoint import checkpoint_id, default_indexer_path, load_indexer  # noqa: E402
 from arckv_press.indexer.data import (  # noqa: E402
     SQUAD_TRAIN_FILE,
     ContextSpec,
@@ -157,6 +158,7 @@ def main(argv=None) -> int:
     from arckv_press.models import config_hash
 
     indexer, meta, bw = load_indexer(ck, model_id=mid, config_hash=config_hash(model.config))
+    ident = checkpoint_id(ck) + (f"+shards:{args.shards}" if args.shards else "")
     shard_layers = None
     if args.shards:
         shards_cfg = shard_config(args.shards)
@@ -196,7 +198,7 @@ def main(argv=None) -> int:
     header = [
         f"command: `{command}`",
         f"machine: {machine}; date {date}; arckv-press {__version__}",
-        f"model: {mid} ({args.dtype}); indexer: {ck} (trained on {meta.training.get('train_contexts')})",
+        f"model: {mid} ({args.dtype}); indexer: {ck}, id {ident} (trained on {meta.training.get('train_contexts')})",
         f"data: {len(dev)} held-out dev contexts {contexts_summary(dev)} from {source.name} "
         f"(articles disjoint from training); layers {layers}; query_budget {pset.query_budget} rows/KV head, "
         f"fit/holdout positions {1 - args.holdout:.2f}/{args.holdout:.2f}",
@@ -251,13 +253,13 @@ def main(argv=None) -> int:
     with out_path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["context", "layer", "T", "selector", "pooling", "budgets", "ratio", "kept_fraction",
-                    "rel_l2_mean_over_heads", "rel_l2_per_head", "selection_seconds",
+                    "rel_l2_mean_over_heads", "rel_l2_per_head", "selection_seconds", "indexer",
                     "command", "date", "version", "machine"])
         for r in rows:
             w.writerow([r["context"], r["layer"], r["T"], r["selector"], r["pooling"], r["budgets"], r["ratio"],
                         f"{r['kept']:.5f}", f"{float(r['err'].mean()):.6f}",
                         " ".join(f"{x:.6f}" for x in r["err"].tolist()), f"{r['seconds']:.5f}",
-                        command, date, __version__, machine])
+                        ident if r["selector"] == "indexer" else "", command, date, __version__, machine])
     print(f"wrote {out_path} ({len(rows)} rows)")
     return 0
 

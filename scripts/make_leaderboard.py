@@ -15,10 +15,14 @@ Inputs (all optional; glob patterns, repeatable):
   They are matched to results by (model name, press, ratio) and, when they list ``tasks``, by task;
   the leaderboard holds their means.
 - ``--needle`` (default ``<out-dir>/needle.csv``): ``scripts/needle.py`` rows become benchmark
-  ``needle`` rows (score = fraction correct).
+  ``needle`` rows (score = fraction correct; of a method's rows, only those made with the indexer
+  checkpoint of its newest row).
+
+Column ``indexer``: content id of the learned indexer checkpoint behind a row (``arckv`` only;
+from the records' / needle rows' ``indexer`` field, ``arckv_press.indexer.checkpoint_id``).
 - ``--fidelity`` (default ``<out-dir>/bench_fidelity.csv``): ``scripts/bench_fidelity.py`` rows
   become benchmark ``fidelity`` rows, task ``continuation`` (score = 1 - mean damage over the
-  documents: 1 = as good as the full cache, 0 = as good as no context), with the full cache
+  documents, of the newest row's indexer checkpoint: 1 = as good as the full cache, 0 = as good as no context), with the full cache
   (method ``none``, score 1) and no context (method ``no-context``, score 0) as references.
 - ``--probes`` (default ``<out-dir>/probes.csv``): plotted only (damage and needle fraction per
   config).
@@ -52,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 FIELDS = [
     "model", "benchmark", "task", "method", "ratio", "score", "metric", "full_score", "nocontext_score",
-    "compaction_seconds", "cache_bytes", "full_cache_bytes", "realised_ratio", "n_examples",
+    "compaction_seconds", "cache_bytes", "full_cache_bytes", "realised_ratio", "indexer", "n_examples",
     "n_records", "model_args", "source", "date", "package_version", "command",
 ]
 KEY = ("model", "benchmark", "task", "method", "ratio")
@@ -194,6 +198,7 @@ def record_stats(records: list[dict], task: str, is_group: bool = False) -> dict
         "cache_bytes": _mean(records, "cache_bytes"),
         "full_cache_bytes": _mean(records, "full_cache_bytes"),
         "realised_ratio": _mean(records, "realised_ratio"),
+        "indexer": "+".join(sorted({str(r["indexer"]) for r in records if r.get("indexer")})),
         "n_records": len(records),
     }
 
@@ -241,6 +246,12 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
     return rows
 
 
+def newest_indexer_rows(rows: list[dict]) -> tuple[str, list[dict]]:
+    """The indexer checkpoint id of the newest row and the rows made with it (never mix checkpoints)."""
+    newest = max(rows, key=lambda r: r["date"]).get("indexer", "")
+    return newest, [r for r in rows if r.get("indexer", "") == newest]
+
+
 def read_needle(path: Path, common: dict[str, str]) -> list[dict]:
     """``scripts/needle.py`` CSV -> one row per (model, method, ratio): fraction correct."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -249,11 +260,12 @@ def read_needle(path: Path, common: dict[str, str]) -> list[dict]:
             groups[(r["model"], r["method"], fmt_ratio(r["ratio"]))].append(r)
     rows = []
     for (model, method, ratio), rs in sorted(groups.items()):
+        newest, rs = newest_indexer_rows(rs)
         rows.append({
             "model": model, "benchmark": "needle", "task": "needle", "method": method, "ratio": ratio,
             "score": mean(float(r["correct"]) for r in rs), "metric": "correct",
             "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
-            "cache_bytes": mean(float(r["cache_bytes"]) for r in rs),
+            "cache_bytes": mean(float(r["cache_bytes"]) for r in rs), "indexer": newest,
             "n_examples": len(rs), "n_records": len(rs), "source": _source(path),
             "date": max(r["date"] for r in rs), **common,
             "package_version": rs[0].get("package_version", common["package_version"]),
@@ -274,11 +286,12 @@ def read_fidelity(path: Path, common: dict[str, str]) -> list[dict]:
                 groups[(r["model"], r["method"], fmt_ratio(r["ratio"]))].append(r)
     rows = []
     for (model, method, ratio), rs in sorted(groups.items()):
+        newest, rs = newest_indexer_rows(rs)
         rows.append({
             "model": model, "benchmark": "fidelity", "task": "continuation", "method": method, "ratio": ratio,
             "score": 1.0 - mean(float(r["damage"]) for r in rs), "metric": "1-damage",
             "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
-            "cache_bytes": mean(float(r["cache_bytes"]) for r in rs),
+            "cache_bytes": mean(float(r["cache_bytes"]) for r in rs), "indexer": newest,
             "n_examples": len(rs), "n_records": len(rs), "source": _source(path),
             "date": max(r["date"] for r in rs), **common,
             "package_version": rs[0].get("package_version", common["package_version"]),

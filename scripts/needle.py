@@ -28,7 +28,10 @@ method's compression; for ``none`` the plain prefill) and ``answer_s`` (question
 answer). ``cache_bytes`` are the bytes the cache really holds after the answer was trimmed
 (``CompactLayer.nbytes()`` for ARC-KV / AM layers, ``keys.nbytes + values.nbytes`` otherwise).
 ``masked`` is true when the press hides evicted positions behind a mask instead of removing
-them (kvpress's KVzip): such a cache holds the full size.
+them (kvpress's KVzip): such a cache holds the full size. ``indexer`` is the content id of the
+learned indexer checkpoint a method used (``arckv``; empty for the others,
+``arckv_press.registry.indexer_id``): after a new checkpoint ships, its cases run again and
+the figures and summary show only the rows of the shipped checkpoint.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ QUICK = dict(methods=("arckv-ha", "am-omp-fast", "snapkv"), ratios=(0.1,), lengt
 MAX_NEW_TOKENS = 12
 FIELDS = [
     "method", "ratio", "length", "depth", "seed", "context_tokens", "needle", "answer", "correct",
-    "compaction_s", "answer_s", "cache_bytes", "masked", "model", "command", "date", "package_version", "machine",
+    "compaction_s", "answer_s", "cache_bytes", "masked", "indexer", "model", "command", "date", "package_version", "machine",
 ]
 
 
@@ -78,6 +81,22 @@ def parse_unit(text: str) -> float:
 
 def case_key(method: str, ratio, length, depth, seed) -> tuple:
     return (method, round(float(ratio), 6), int(length), round(float(depth), 6), int(seed))
+
+
+def current_indexer_ids(methods, mid: str) -> dict[str, str]:
+    """Indexer checkpoint id per method (``""`` for methods without a learned indexer)."""
+    from arckv_press.registry import indexer_id
+
+    return {name: indexer_id(name, mid) for name in {*methods, "none"}}
+
+
+def current_rows(rows: list[dict], mid: str) -> list[dict]:
+    """Rows made with the indexer checkpoint now shipped for ``mid`` (other methods: all rows)."""
+    ids = current_indexer_ids({r["method"] for r in rows}, mid)
+    kept = [r for r in rows if r.get("indexer", "") == ids[r["method"]]]
+    if len(kept) < len(rows):
+        print(f"({len(rows) - len(kept)} rows made with another indexer checkpoint are left out)")
+    return kept
 
 
 class TimedPress:
@@ -168,20 +187,21 @@ def run(args, meta: dict) -> None:
     from arckv_press.cli import RULER_INSTRUCTION
     from arckv_press.haystack import load_haystack, make_needle, needle_context
     from arckv_press.models import load_model, model_id
+    from arckv_press.registry import METHODS
 
-    done = {case_key(r["method"], r["ratio"], r["length"], r["depth"], r["seed"]) for r in read_rows(args.out)}
-    todo = [c for c in build_cases(args) if case_key(*c) not in done]
-    print(f"{len(todo)} cases to run, {len(build_cases(args)) - len(todo)} already in {args.out}", flush=True)
-    if not todo:
-        return
     model, tok = load_model(args.model)
     mid = model_id(model)
-    if "arckv" in args.methods:
-        from arckv_press.indexer.checkpoint import default_indexer_path
-
-        if default_indexer_path(mid) is None:
-            print(f"skipping method arckv: no value-aware indexer is shipped for {mid}", flush=True)
-            todo = [c for c in todo if c[0] != "arckv"]
+    ids = current_indexer_ids(args.methods, mid)
+    done = {case_key(r["method"], r["ratio"], r["length"], r["depth"], r["seed"]) for r in read_rows(args.out)
+            if r.get("indexer", "") == ids.get(r["method"], "")}  # a new indexer checkpoint reruns its methods
+    todo = [c for c in build_cases(args) if case_key(*c) not in done]
+    print(f"{len(todo)} cases to run, {len(build_cases(args)) - len(todo)} already in {args.out}", flush=True)
+    for name, ident in ids.items():
+        if METHODS[name].uses_indexer and not ident:
+            print(f"skipping method {name}: no value-aware indexer is shipped for {mid}", flush=True)
+            todo = [c for c in todo if c[0] != name]
+    if not todo:
+        return
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok)
     haystack = load_haystack(args.haystack)
     instruction_len = len(tok.encode(RULER_INSTRUCTION, add_special_tokens=False))
@@ -202,7 +222,7 @@ def run(args, meta: dict) -> None:
             tqdm.write(f"skipped {method} rho={ratio:g} length={length} depth={depth:g}: {err}")
             continue
         row = {"method": method, "ratio": f"{ratio:g}", "length": length, "depth": f"{depth:g}", "seed": seed,
-               "context_tokens": n_ctx, "needle": needle.value, **result, "model": mid, **meta}
+               "context_tokens": n_ctx, "needle": needle.value, **result, "indexer": ids[method], "model": mid, **meta}
         append_rows(args.out, [row], FIELDS)
         mark = "OK" if result["correct"] else "--"
         tqdm.write(f"{mark} {method:<19} rho={ratio:<5g} {length:>5} tok depth={depth:<4g} seed={seed} "
@@ -224,6 +244,7 @@ def plot(csv_path: Path, out_dir: Path) -> list[Path]:
     if not rows:
         print(f"nothing to plot: {csv_path} has no rows")
         return []
+    rows = current_rows(rows, rows[-1]["model"])
     acc: dict[tuple, list[int]] = defaultdict(list)
     masked: set[str] = set()
     for r in rows:
@@ -281,6 +302,7 @@ def plot(csv_path: Path, out_dir: Path) -> list[Path]:
 def summary(csv_path: Path) -> None:
     """Accuracy, median compaction seconds and median cache MiB per method, kept fraction and length."""
     rows = read_rows(csv_path)
+    rows = current_rows(rows, rows[-1]["model"]) if rows else rows
     by: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         by[(r["method"], float(r["ratio"]), int(r["length"]))].append(r)

@@ -10,7 +10,8 @@ anchor's witness query, the default; 0: the budget rows only), ``qb`` (query_bud
 and the value fit: ``values`` (fit: paper Eq. (value_lstsq);
 anchor: keep the anchors' own values), ``prior`` (zero, anchor) and ``ridge`` (relative lambda_v);
 ``alloc=fixed,score=budget`` is the paper's exact setting. Results are appended to ``leaderboards/probes.csv`` (resumable: a finished config, ratio and
-``--dtype`` is skipped);
+``--dtype`` is skipped, unless it used another learned indexer checkpoint: column ``indexer``,
+``arckv_press.registry.indexer_id``);
 the haystack and documents are the Paul Graham essays in ``../shared/data/ruler/pg_essays.txt``.
 """
 
@@ -34,12 +35,12 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`,
 from arckv_press import __version__  # noqa: E402
 from arckv_press.compaction.fit import FitConfig  # noqa: E402
 from arckv_press.haystack import load_haystack  # noqa: E402
-from arckv_press.models import load_model  # noqa: E402
+from arckv_press.models import load_model, model_id  # noqa: E402
 from arckv_press.probes import continuation_probe, needle_probe, split_documents  # noqa: E402
-from arckv_press.registry import make_press  # noqa: E402
+from arckv_press.registry import indexer_id, make_press  # noqa: E402
 
 FIT_KEYS = {"values": "values", "prior": "value_prior", "ridge": "ridge_v"}  # probe key -> FitConfig field
-FIELDS = ["config", "method", "ratio", "dtype", "options", "needle_found", "needle_total", "damage", "damage_docs",
+FIELDS = ["config", "method", "ratio", "dtype", "indexer", "options", "needle_found", "needle_total", "damage", "damage_docs",
           "compaction_seconds", "date", "version", "command"]
 
 
@@ -120,8 +121,9 @@ def main(argv=None) -> int:
             reader = csv.DictReader(f)
             if reader.fieldnames != FIELDS:
                 raise SystemExit(f"{out} has columns {reader.fieldnames}, expected {FIELDS}; write to another --out")
-            done = {(r["config"], float(r["ratio"]), r["dtype"]) for r in reader}
+            done = {(r["config"], float(r["ratio"]), r["dtype"], r["indexer"]) for r in reader}
     model, tok = load_model(dtype=args.dtype)
+    mid = model_id(model)
     haystack = load_haystack(None)
     documents = split_documents(tok, haystack[len(haystack) // 2 :], args.docs, args.doc_tokens, args.cont_tokens)
     references: dict = {}
@@ -134,7 +136,8 @@ def main(argv=None) -> int:
         for config in args.configs:
             method, options = parse_config(config)
             for ratio in args.ratios:
-                if (config, ratio, args.dtype) in done:
+                ident = indexer_id(method, mid, options.get("indexer"))  # a new checkpoint reruns arckv
+                if (config, ratio, args.dtype, ident) in done:
                     print(f"skip {config} @ {ratio} {args.dtype} (done)")
                     continue
                 factory = lambda: make_press(method, ratio, **options)  # noqa: E731
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
                 needle, _ = needle_probe(model, tok, factory, haystack, args.needle_tokens, args.depths, args.seeds)
                 cont, _ = continuation_probe(model, tok, factory, documents, references)
                 row = {
-                    "config": config, "method": method, "ratio": ratio, "dtype": args.dtype, "options": json.dumps(options, default=_jsonable),
+                    "config": config, "method": method, "ratio": ratio, "dtype": args.dtype, "indexer": ident, "options": json.dumps(options, default=_jsonable),
                     "needle_found": round(needle.value * needle.count), "needle_total": needle.count,
                     "damage": round(cont.value, 4), "damage_docs": cont.count,
                     "compaction_seconds": round((needle.seconds + cont.seconds) / (needle.count + len(documents)), 2),

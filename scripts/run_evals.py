@@ -10,7 +10,10 @@ and the no-context baseline (``drop_document=True``). Each run writes
     <out>/<benchmark>/<method>_<ratio>/requests.db          lm-eval's request cache (resume)
 
 A run whose ``results.json`` exists is skipped; an interrupted run resumes from its request
-cache (answered requests are not recomputed). ``scripts/make_leaderboard.py --results
+cache (answered requests are not recomputed). Runs of a method with a learned indexer
+(``arckv``) record the checkpoint's id (``arckv_run.indexer``, and ``indexer`` in each
+record); when another checkpoint is shipped, such a folder moves to
+``<out>_indexer_<old id>/`` and the run starts afresh. ``scripts/make_leaderboard.py --results
 '<out>/**/results.json' --records '<out>/**/arckv_compaction.jsonl'`` turns the folder into the
 leaderboard.
 
@@ -77,6 +80,36 @@ def plan(benchmarks, methods, ratios, baselines: bool = True) -> list[Run]:
     return runs
 
 
+def folder_indexer(folder: Path) -> str | None:
+    """Indexer checkpoint id a run folder was made with (``results.json``, else its compaction
+    records), ``""`` when it names none, ``None`` for a folder with neither."""
+    results = folder / "results.json"
+    if results.exists():
+        return str(json.loads(results.read_text(encoding="utf-8")).get("arckv_run", {}).get("indexer", ""))
+    records = folder / "arckv_compaction.jsonl"
+    if records.exists():
+        for line in records.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                return str(json.loads(line).get("indexer", ""))
+    return None
+
+
+def retire_stale(run: Run, out: Path, ident: str) -> bool:
+    """Move a run folder made with another indexer checkpoint than ``ident`` to
+    ``<out>_indexer_<old id>/<benchmark>/<name>`` (its request cache would replay the old answers);
+    returns whether the run is finished with the current checkpoint."""
+    folder = run.folder(out)
+    stored = folder_indexer(folder)
+    if stored is not None and stored != ident:
+        dest = out.parent / f"{out.name}_indexer_{stored or 'unknown'}" / run.benchmark / run.name
+        if dest.exists():
+            raise SystemExit(f"{folder} was made with indexer {stored or '(unknown)'}, and {dest} exists: move one away")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        folder.rename(dest)
+        print(f"moved {folder} (indexer {stored or 'unknown'}, now {ident}) to {dest}", flush=True)
+    return (folder / "results.json").exists()
+
+
 def task_setup(run: Run, args) -> tuple[list[str], dict, int | None]:
     """``(task names, metadata, limit)`` of a run."""
     if run.benchmark == "ruler":
@@ -103,7 +136,7 @@ def equivalent_command(run: Run, args, model_path: str | None) -> str:
     return cmd + (f" --limit {limit}" if limit else "")
 
 
-def execute(run: Run, args, model, tokenizer, model_path: str | None) -> dict:
+def execute(run: Run, args, model, tokenizer, model_path: str | None, ident: str = "") -> dict:
     """Run one (benchmark, method, ratio) and write its ``results.json``."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -138,6 +171,7 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None) -> dict:
     data["arckv_run"] = {
         "benchmark": run.benchmark, "method": run.method, "ratio": run.ratio, "seconds": seconds,
         "command": equivalent_command(run, args, model_path), "machine": machine_info(),
+        "indexer": ident,
     }
     tmp = folder / "results.json.tmp"
     tmp.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
@@ -182,8 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in args.ratios if not 0.0 < r < 1.0]
     if bad:
         p.error(f"ratios are kept fractions in (0, 1), got {bad}")
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.registry import indexer_id
+
     runs = plan(args.benchmarks, args.methods, args.ratios, args.baselines)
-    todo = [r for r in runs if not (r.folder(args.out) / "results.json").exists()]
+    ids = {r.method: indexer_id(r.method, DEFAULT_MODEL_ID) if r.method in METHODS else "" for r in runs}
+    if args.list:
+        todo = [r for r in runs if not (r.folder(args.out) / "results.json").exists()
+                or folder_indexer(r.folder(args.out)) != ids[r.method]]
+    else:
+        todo = [r for r in runs if not retire_stale(r, args.out, ids[r.method])]
     print(f"{len(runs)} runs planned, {len(runs) - len(todo)} done, {len(todo)} to run", flush=True)
     if args.list:
         for r in runs:
@@ -202,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model(default_model_path(), dtype=getattr(torch, args.dtype))
     for i, run in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] {run.benchmark} {run.name}", flush=True)
-        data = execute(run, args, model, tokenizer, None)
+        data = execute(run, args, model, tokenizer, None, ids[run.method])
         print(f"    {data['arckv_run']['seconds']:.0f}s  {summary_line(data)}", flush=True)
     return 0
 

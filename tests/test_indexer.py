@@ -266,6 +266,45 @@ def test_checkpoint_mismatch_raises(tmp_path):
         ck.WEIGHTS_DIR = old
 
 
+def test_checkpoint_id_names_the_weights_and_the_registry_reports_it(tmp_path, monkeypatch):
+    import hashlib
+
+    import safetensors.torch
+
+    import arckv_press.indexer.checkpoint as ck
+    from arckv_press.indexer.checkpoint import checkpoint_id
+    from arckv_press.registry import indexer_id
+
+    model = ValueAwareIndexer(tiny_config())
+    save_indexer(model, tmp_path / "a", "org/model-a", "hash-a")
+    digest = hashlib.sha256()  # independent reference: the tensors as torch holds them
+    for name, t in sorted(safetensors.torch.load_file(str(tmp_path / "a" / ck.WEIGHTS_FILE)).items()):
+        digest.update(json.dumps([name, "F32", list(t.shape)]).encode())
+        digest.update(t.numpy().tobytes())
+    want = digest.hexdigest()[:12]
+    assert checkpoint_id(tmp_path / "a") == want
+    save_indexer(model, tmp_path / "b", "org/model-a", "hash-a", training={"other": "metadata"})
+    assert checkpoint_id(tmp_path / "b") == want  # the weights, not the metadata, name it
+    for i in range(4):  # safetensors writes its header metadata in no fixed order
+        save_indexer(model, tmp_path / f"again{i}", "org/model-a", "hash-a")
+        assert checkpoint_id(tmp_path / f"again{i}") == want
+    randomize(model, 3)
+    save_indexer(model, tmp_path / "c", "org/model-a", "hash-a")
+    assert checkpoint_id(tmp_path / "c") != want
+    with pytest.raises(FileNotFoundError, match="indexer.safetensors"):
+        checkpoint_id(tmp_path / "missing")
+    # registry: only the learned-indexer method has an id; the shipped checkpoint by default
+    monkeypatch.setattr(ck, "WEIGHTS_DIR", tmp_path / "weights")
+    save_indexer(model, ck.WEIGHTS_DIR / "org--model-a", "org/model-a", "hash-a")
+    assert indexer_id("arckv", "org/model-a") == checkpoint_id(tmp_path / "c")
+    assert indexer_id("arckv", "org/model-a", str(tmp_path / "a")) == want
+    assert indexer_id("arckv", "org/model-a", model) == "in-memory"
+    assert indexer_id("arckv", "org/no-checkpoint") == ""
+    assert indexer_id("arckv-ha", "org/model-a") == indexer_id("snapkv", "org/model-a") == ""
+    with pytest.raises(ValueError, match="unknown method"):
+        indexer_id("no-such-method", "org/model-a")
+
+
 # ----------------------------------------------------------------------------------------------
 # training math
 # ----------------------------------------------------------------------------------------------

@@ -315,6 +315,7 @@ def _check_records(records: list[dict], press: str, ratio: float, tasks: list[st
         (task,) = r["tasks"]
         by_task.setdefault(task, []).append(r)
         assert r["press"] == press and r["ratio"] == ratio and r["compacted"] is True
+        assert r["indexer"] == ""  # only press=arckv uses (and records) a learned indexer checkpoint
         assert r["document_tokens"] > 0 and r["context_tokens"] == r["prefix_tokens"] + r["document_tokens"]
         assert r["compaction_seconds"] > 0
         assert r["full_cache_bytes"] > 0 and r["compacted_full_bytes"] > 0

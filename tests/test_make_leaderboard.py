@@ -184,6 +184,27 @@ def test_needle_and_probes(ml, tmp_path):
     assert (out / "needle_score_vs_ratio.png").exists() and (out / "probes.png").exists()
 
 
+def test_needle_rows_of_an_older_indexer_checkpoint_are_left_out(ml, tmp_path):
+    out = tmp_path / "lb"
+    out.mkdir()
+    head = ("method,ratio,length,depth,seed,context_tokens,needle,answer,correct,compaction_s,answer_s,cache_bytes,"
+            "masked,indexer,model,command,date,package_version,machine\n")
+    body = (
+        "arckv,0.1,1000,0,0,999,1,2,0,30.0,1.0,10,0,old111111111,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+        "arckv,0.1,1000,0.5,0,999,1,2,0,30.0,1.0,10,0,old111111111,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+        "arckv,0.1,1000,0,0,999,1,1,1,10.0,1.0,20,0,new222222222,m,c,2026-01-03T00:00:00Z,0.1.0,x\n"
+        "snapkv,0.1,1000,0,0,999,1,2,0,2.0,1.0,10,0,,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+    )
+    (out / "needle.csv").write_text(head + body)
+    ml.main(["--out-dir", str(out)])
+    rows = read(out / "leaderboard.csv")
+    arckv = row(rows, benchmark="needle", method="arckv")
+    assert arckv["indexer"] == "new222222222" and arckv["n_examples"] == "1"
+    assert float(arckv["score"]) == 1.0 and float(arckv["compaction_seconds"]) == pytest.approx(10.0)
+    snap = row(rows, benchmark="needle", method="snapkv")
+    assert snap["indexer"] == "" and float(snap["score"]) == 0.0
+
+
 def test_fidelity_rows_score_one_minus_mean_damage(ml, tmp_path):
     out = tmp_path / "lb"
     out.mkdir()

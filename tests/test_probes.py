@@ -126,15 +126,17 @@ def test_probe_config_parsing_builds_press_options():
         mod.parse_config("arckv-ha:wit=yes")
 
 
-def test_probes_refuses_a_csv_without_the_dtype_column(tmp_path):
-    """Rows are resumed by (config, ratio, dtype): a CSV written before the dtype column existed is
-    refused with the columns named, before the model is loaded, instead of mixing dtypes silently."""
+@pytest.mark.parametrize("column", ["dtype", "indexer"])
+def test_probes_refuses_a_csv_without_the_dtype_or_indexer_column(tmp_path, column):
+    """Rows are resumed by (config, ratio, dtype, indexer checkpoint): a CSV written before those
+    columns existed is refused with the columns named, before the model is loaded, instead of
+    mixing dtypes or indexer checkpoints silently."""
     mod = load_script("probes")
     old = tmp_path / "probes.csv"
-    old.write_text(",".join(f for f in mod.FIELDS if f != "dtype") + "\n")
-    with pytest.raises(SystemExit, match="expected .*'dtype'"):
+    old.write_text(",".join(f for f in mod.FIELDS if f != column) + "\n")
+    with pytest.raises(SystemExit, match=f"expected .*'{column}'"):
         mod.main(["--configs", "snapkv", "--out", str(old)])
-    assert mod.FIELDS[:4] == ["config", "method", "ratio", "dtype"]
+    assert mod.FIELDS[:5] == ["config", "method", "ratio", "dtype", "indexer"]
     for committed in sorted((Path(__file__).resolve().parents[1] / "leaderboards").glob("probes*.csv")):
         with committed.open() as f:
             assert next(csv.reader(f)) == mod.FIELDS, committed.name  # the committed files resume too

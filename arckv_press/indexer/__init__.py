@@ -16,6 +16,7 @@ The base-model fingerprint stored in checkpoints is :func:`arckv_press.models.co
 
 from .checkpoint import (
     IndexerMetadata,
+    checkpoint_id,
     default_indexer_path,
     load_indexer,
     read_metadata,
@@ -49,6 +50,7 @@ __all__ = [
     "IndexerConfig",
     "ValueAwareIndexer",
     "IndexerMetadata",
+    "checkpoint_id",
     "default_indexer_path",
     "load_indexer",
     "read_metadata",

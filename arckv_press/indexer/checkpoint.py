@@ -18,6 +18,7 @@ Shipped checkpoints live in ``arckv_press/indexer/weights/<model id with '/' -> 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ __all__ = [
     "load_indexer",
     "read_metadata",
     "default_indexer_path",
+    "checkpoint_id",
 ]
 
 FORMAT_VERSION = 1
@@ -227,3 +229,32 @@ def default_indexer_path(model_id: str) -> Path | None:
     if (path / WEIGHTS_FILE).is_file() and (path / METADATA_FILE).is_file():
         return path
     return None
+
+
+def checkpoint_id(path: str | Path) -> str:
+    """Short content id of a checkpoint: 12 hex digits of a SHA-256 over its stored tensors.
+
+    Hashes each tensor's name, dtype, shape and bytes from ``indexer.safetensors`` (not the
+    header's free-form metadata, whose key order safetensors does not fix), so equal weights give
+    equal ids. Results that depend on the indexer (needle grid, lm-eval compaction records,
+    selector evaluations) store it, so a result made with one checkpoint is never taken for
+    another's.
+    """
+    weights_file = Path(path) / WEIGHTS_FILE
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} in indexer checkpoint {path}")
+    raw = weights_file.read_bytes()
+    try:
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + n])
+    except ValueError as err:
+        raise ValueError(f"{weights_file}: not a safetensors file ({err})") from err
+    header.pop("__metadata__", None)
+    data = raw[8 + n :]
+    digest = hashlib.sha256()
+    for name in sorted(header):
+        entry = header[name]
+        lo, hi = entry["data_offsets"]
+        digest.update(json.dumps([name, entry["dtype"], entry["shape"]]).encode())
+        digest.update(data[lo:hi])
+    return digest.hexdigest()[:12]

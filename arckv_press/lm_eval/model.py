@@ -59,6 +59,8 @@ parallelism); nothing is written otherwise. Fields:
   ``C_v`` and the float32 ``beta``; kvpress presses: the whole prefill);
 - ``realised_ratio``: kept entries over original entries of the compacted span (layers x KV
   heads);
+- ``indexer``: content id of the learned indexer checkpoint (``press=arckv``;
+  :func:`arckv_press.registry.indexer_id`), empty for the other presses;
 - ``compacted`` (false for ``none`` and for documents shorter than the press's ``min_length``,
   which keep the full cache; ``note`` says why), ``requests`` and ``tasks``: the requests served
   by the group of requests that triggered the compaction.
@@ -387,7 +389,7 @@ class HFArcKV(HFLM):
     # ------------------------------------------------------------------ setup
     def _make_press(self, options: dict[str, Any]):
         from arckv_press.models import model_id
-        from arckv_press.registry import make_press
+        from arckv_press.registry import indexer_id, make_press
 
         if self.family in OUR_FAMILIES:
             options.setdefault("tokenizer", self.tokenizer)
@@ -402,6 +404,7 @@ class HFArcKV(HFLM):
                     "use a training-free press: press=arckv-ha or press=arckv-vi"
                 )
         press = make_press(self.press_name, self.ratio, **options)
+        self._indexer_id = indexer_id(self.press_name, model_id(self.model), options.get("indexer")) if press is not None and self.ratio < 1.0 else ""
         if press is not None and self.family in OUR_FAMILIES:
             press.compaction_config()  # validate now, not at the first document
         return press
@@ -476,6 +479,7 @@ class HFArcKV(HFLM):
             "document_tokens": n_doc,
             "context_tokens": req.doc_end,
             "rank": self.rank,
+            "indexer": self._indexer_id,
             "compacted": self._press is not None,
             "note": None,
         }
