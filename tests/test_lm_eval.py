@@ -454,6 +454,13 @@ def test_requests_without_document_and_bad_options(inprocess_runs):
     if default_indexer_path(model_id(lm.model)) is None:
         with pytest.raises(ValueError, match="press=arckv-ha"):
             HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv", ratio=0.5)
+    else:  # the records name the shipped checkpoint
+        from arckv_press.indexer.checkpoint import checkpoint_id
+
+        arckv = HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv", ratio=0.5)
+        assert arckv.indexer_id == checkpoint_id(default_indexer_path(model_id(lm.model)))
+        assert HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv", ratio=1.0).indexer_id == ""
+    assert lm.indexer_id == ""
     with pytest.raises(ValueError, match="lambda_m"):
         HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="snapkv", ratio=0.5, lambda_m=0.3)
 

@@ -425,6 +425,11 @@ class HFArcKV(HFLM):
         return records_path(output, model_id(self.model), self.press_name, self.ratio, self.rank, self.world_size)
 
     @property
+    def indexer_id(self) -> str:
+        """Checkpoint id of the learned indexer the press uses (``""``: none), as in the records."""
+        return self._indexer_id
+
+    @property
     def records_file(self) -> Path | None:
         """Where the per-document records are written (``None``: not written)."""
         return self._records_file
