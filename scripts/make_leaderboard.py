@@ -435,7 +435,8 @@ def plot_probes(path: Path, out_dir: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['config']} @{r['ratio']}" + (f" {r['dtype']}" if r.get("dtype") else "") for r in rows]
+    labels = [f"{r['config']} @{r['ratio']}" + (f" {r['dtype']}" if r.get("dtype") else "")
+              + (f" [{r['indexer'][:6]}]" if r.get("indexer") else "") for r in rows]  # one bar per checkpoint
     damage = [_num(r.get("damage")) or 0.0 for r in rows]
     found = [
         (_num(r.get("needle_found")) or 0.0) / t if (t := _num(r.get("needle_total"))) else 0.0 for r in rows

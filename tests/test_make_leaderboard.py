@@ -184,20 +184,24 @@ def test_needle_and_probes(ml, tmp_path):
     assert (out / "needle_score_vs_ratio.png").exists() and (out / "probes.png").exists()
 
 
-def test_needle_rows_of_an_older_indexer_checkpoint_are_left_out(ml, tmp_path):
+def leaderboard_from(ml, tmp_path, name: str, text: str) -> list[dict]:
+    """The leaderboard rows ``make_leaderboard`` builds from one benchmark CSV ``name``."""
     out = tmp_path / "lb"
     out.mkdir()
+    (out / name).write_text(text)
+    ml.main(["--out-dir", str(out)])
+    return read(out / "leaderboard.csv")
+
+
+def test_needle_rows_of_an_older_indexer_checkpoint_are_left_out(ml, tmp_path):
     head = ("method,ratio,length,depth,seed,context_tokens,needle,answer,correct,compaction_s,answer_s,cache_bytes,"
             "masked,indexer,model,command,date,package_version,machine\n")
-    body = (
+    rows = leaderboard_from(ml, tmp_path, "needle.csv", head + (
         "arckv,0.1,1000,0,0,999,1,2,0,30.0,1.0,10,0,old111111111,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
         "arckv,0.1,1000,0.5,0,999,1,2,0,30.0,1.0,10,0,old111111111,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
         "arckv,0.1,1000,0,0,999,1,1,1,10.0,1.0,20,0,new222222222,m,c,2026-01-03T00:00:00Z,0.1.0,x\n"
         "snapkv,0.1,1000,0,0,999,1,2,0,2.0,1.0,10,0,,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
-    )
-    (out / "needle.csv").write_text(head + body)
-    ml.main(["--out-dir", str(out)])
-    rows = read(out / "leaderboard.csv")
+    ))
     arckv = row(rows, benchmark="needle", method="arckv")
     assert arckv["indexer"] == "new222222222" and arckv["n_examples"] == "1"
     assert float(arckv["score"]) == 1.0 and float(arckv["compaction_seconds"]) == pytest.approx(10.0)
@@ -206,25 +210,22 @@ def test_needle_rows_of_an_older_indexer_checkpoint_are_left_out(ml, tmp_path):
 
 
 def test_fidelity_rows_score_one_minus_mean_damage(ml, tmp_path):
-    out = tmp_path / "lb"
-    out.mkdir()
     head = ("method,ratio,doc,doc_tokens,cont_tokens,nll,nll_full,nll_none,damage,compaction_s,cache_bytes,"
-            "model,command,date,package_version,machine\n")
-    body = (
-        "arckv,0.1,0,1500,256,2.1,2.0,3.0,0.1,10.0,100,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
-        "arckv,0.1,1,1500,256,2.3,2.0,3.0,0.3,20.0,300,m,c,2026-01-02T00:00:00Z,0.1.0,x\n"
-        "arckv,0.1,2,1500,256,2.3,2.3,2.3,nan,30.0,900,m,c,2026-01-02T00:00:00Z,0.1.0,x\n"
-        "snapkv,0.1,0,1500,256,2.5,2.0,3.0,0.5,1.0,50,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
-    )
-    (out / "bench_fidelity.csv").write_text(head + body)
-    ml.main(["--out-dir", str(out)])
-    rows = read(out / "leaderboard.csv")
+            "indexer,model,command,date,package_version,machine\n")
+    rows = leaderboard_from(ml, tmp_path, "bench_fidelity.csv", head + (
+        "arckv,0.1,0,1500,256,2.9,2.0,3.0,0.9,99.0,100,old111111111,m,c,2025-12-01T00:00:00Z,0.1.0,x\n"
+        "arckv,0.1,0,1500,256,2.1,2.0,3.0,0.1,10.0,100,new222222222,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+        "arckv,0.1,1,1500,256,2.3,2.0,3.0,0.3,20.0,300,new222222222,m,c,2026-01-02T00:00:00Z,0.1.0,x\n"
+        "arckv,0.1,2,1500,256,2.3,2.3,2.3,nan,30.0,900,new222222222,m,c,2026-01-02T00:00:00Z,0.1.0,x\n"
+        "snapkv,0.1,0,1500,256,2.5,2.0,3.0,0.5,1.0,50,,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+    ))
     arckv = row(rows, benchmark="fidelity", method="arckv")
-    assert float(arckv["score"]) == pytest.approx(1 - (0.1 + 0.3) / 2)  # the nan document is left out
+    # the nan document and the older checkpoint's row are left out
+    assert float(arckv["score"]) == pytest.approx(1 - (0.1 + 0.3) / 2) and arckv["indexer"] == "new222222222"
     assert float(arckv["compaction_seconds"]) == pytest.approx(15.0) and arckv["n_examples"] == "2"
     assert float(row(rows, benchmark="fidelity", method="snapkv")["score"]) == pytest.approx(0.5)
     assert float(arckv["full_score"]) == 1.0 and float(arckv["nocontext_score"]) == 0.0
-    assert (out / "fidelity_score_vs_ratio.png").exists()
+    assert (tmp_path / "lb" / "fidelity_score_vs_ratio.png").exists()
 
 
 def test_bad_inputs(ml, tmp_path):
