@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["command_line", "machine_info", "print_header", "run_meta", "read_rows", "append_rows"]
+__all__ = ["command_line", "machine_info", "print_header", "run_meta", "read_rows", "append_rows", "current_indexer_rows"]
 
 
 def command_line(argv: list[str] | None = None) -> str:
@@ -137,6 +137,18 @@ def append_rows(path: str | Path, rows: list[dict], fieldnames: list[str]) -> No
             writer.writeheader()
         writer.writerows(rows)
         f.flush()
+
+
+def current_indexer_rows(rows: list[dict], model_id: str) -> list[dict]:
+    """Rows made with the indexer checkpoint each method now uses for ``model_id`` (column
+    ``indexer``, :func:`arckv_press.registry.indexer_id`; methods without one: every row)."""
+    from arckv_press.registry import indexer_id
+
+    ids = {name: indexer_id(name, model_id) for name in {r["method"] for r in rows}}
+    kept = [r for r in rows if r.get("indexer", "") == ids[r["method"]]]
+    if len(kept) < len(rows):
+        print(f"({len(rows) - len(kept)} rows made with another indexer checkpoint are left out)")
+    return kept
 
 
 def parse_length(text: str) -> int:

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, print_header, read_rows, run_meta  # noqa: E402
+from arckv_press.runinfo import append_rows, current_indexer_rows, print_header, read_rows, run_meta  # noqa: E402
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_fidelity.csv"
 DEFAULT_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha", "snapkv", "kvzip",
@@ -152,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         append_rows(args.out, [row], FIELDS)
         rows.append(row)
         tqdm.write(f"{method:<19} keep {ratio:<5g} doc {d}  damage {res['damage']:+.3f}  {res['seconds']:6.1f} s")
-    current = [r for r in rows if r.get("indexer", "") == ids.get(r["method"], r.get("indexer", ""))]
-    print(summarize(current, methods, ratios, n_docs, args.doc_tokens, args.cont_tokens, mid))
+    print(summarize(current_indexer_rows(rows, mid), methods, ratios, n_docs, args.doc_tokens, args.cont_tokens, mid))
     return 0
 
 

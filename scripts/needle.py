@@ -55,7 +55,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, parse_length, print_header, read_rows, run_meta  # noqa: E402
+from arckv_press.runinfo import (  # noqa: E402
+    append_rows,
+    current_indexer_rows,
+    parse_length,
+    print_header,
+    read_rows,
+    run_meta,
+)
 
 DEFAULT_OUT = ROOT / "leaderboards" / "needle.csv"
 DEFAULT_METHODS = (
@@ -88,15 +95,6 @@ def current_indexer_ids(methods, mid: str) -> dict[str, str]:
     from arckv_press.registry import indexer_id
 
     return {name: indexer_id(name, mid) for name in {*methods, "none"}}
-
-
-def current_rows(rows: list[dict], mid: str) -> list[dict]:
-    """Rows made with the indexer checkpoint now shipped for ``mid`` (other methods: all rows)."""
-    ids = current_indexer_ids({r["method"] for r in rows}, mid)
-    kept = [r for r in rows if r.get("indexer", "") == ids[r["method"]]]
-    if len(kept) < len(rows):
-        print(f"({len(rows) - len(kept)} rows made with another indexer checkpoint are left out)")
-    return kept
 
 
 class TimedPress:
@@ -244,7 +242,7 @@ def plot(csv_path: Path, out_dir: Path) -> list[Path]:
     if not rows:
         print(f"nothing to plot: {csv_path} has no rows")
         return []
-    rows = current_rows(rows, rows[-1]["model"])
+    rows = current_indexer_rows(rows, rows[-1]["model"])
     acc: dict[tuple, list[int]] = defaultdict(list)
     masked: set[str] = set()
     for r in rows:
@@ -302,7 +300,7 @@ def plot(csv_path: Path, out_dir: Path) -> list[Path]:
 def summary(csv_path: Path) -> None:
     """Accuracy, median compaction seconds and median cache MiB per method, kept fraction and length."""
     rows = read_rows(csv_path)
-    rows = current_rows(rows, rows[-1]["model"]) if rows else rows
+    rows = current_indexer_rows(rows, rows[-1]["model"]) if rows else rows
     by: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         by[(r["method"], float(r["ratio"]), int(r["length"]))].append(r)

@@ -94,6 +94,11 @@ def folder_indexer(folder: Path) -> str | None:
     return None
 
 
+def finished(folder: Path, ident: str) -> bool:
+    """Whether ``folder`` holds a finished run made with the indexer checkpoint ``ident``."""
+    return (folder / "results.json").exists() and folder_indexer(folder) == ident
+
+
 def retire_stale(run: Run, out: Path, ident: str) -> bool:
     """Move a run folder made with another indexer checkpoint than ``ident`` to
     ``<out>_indexer_<old id>/<benchmark>/<name>`` (its request cache would replay the old answers);
@@ -107,7 +112,7 @@ def retire_stale(run: Run, out: Path, ident: str) -> bool:
         dest.parent.mkdir(parents=True, exist_ok=True)
         folder.rename(dest)
         print(f"moved {folder} (indexer {stored or 'unknown'}, now {ident}) to {dest}", flush=True)
-    return (folder / "results.json").exists()
+    return finished(folder, ident)
 
 
 def task_setup(run: Run, args) -> tuple[list[str], dict, int | None]:
@@ -221,9 +226,8 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = plan(args.benchmarks, args.methods, args.ratios, args.baselines)
     ids = {r.method: indexer_id(r.method, DEFAULT_MODEL_ID) if r.method in METHODS else "" for r in runs}
-    if args.list:
-        todo = [r for r in runs if not (r.folder(args.out) / "results.json").exists()
-                or folder_indexer(r.folder(args.out)) != ids[r.method]]
+    if args.list:  # report only: nothing is moved
+        todo = [r for r in runs if not finished(r.folder(args.out), ids[r.method])]
     else:
         todo = [r for r in runs if not retire_stale(r, args.out, ids[r.method])]
     print(f"{len(runs)} runs planned, {len(runs) - len(todo)} done, {len(todo)} to run", flush=True)

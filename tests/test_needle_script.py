@@ -22,7 +22,7 @@ def test_needle_rows_of_another_indexer_checkpoint_are_left_out(tmp_path, capsys
                 "date": "2026-01-01T00:00:00Z", "package_version": "0", "machine": "m"}
 
     rows = [row("arckv", "0123456789ab", 0), row("arckv", shipped, 1, "0.5"), row("snapkv", "", 0), row("none", "", 1)]
-    kept = needle.current_rows(rows, DEFAULT_MODEL_ID)
+    kept = needle.current_indexer_rows(rows, DEFAULT_MODEL_ID)
     assert [(r["method"], r["indexer"]) for r in kept] == [("arckv", shipped), ("snapkv", ""), ("none", "")]
     assert "1 rows made with another indexer checkpoint are left out" in capsys.readouterr().out
     path = tmp_path / "needle.csv"
