@@ -16,7 +16,13 @@ excluded). kvpress presses (SnapKV, KVzip, Expected Attention) are timed end to 
 Synthetic part: ``compact_layer`` with ``arckv-ha`` (select + merge + fit) against
 ``am_compact(..., "omp-fast")`` on random ``K, V [H, T, D]``, ``Q [H, n, D]`` (H = 3, D = 64,
 n = 2048 reference rows per head), T from 1024 up to ``--max-T``. OMP-fast is not run at a
-length once a shorter one took more than ``--omp-cap`` seconds.
+length once a shorter one took more than ``--omp-cap`` seconds. When the default model's
+indexer is shipped, its anchor selection (method ``arckv``, stage ``selection``: the scoring
+pass of layer 0's parameters on random activations ``X [n, d_x]`` plus top-t) is timed on the
+same tensors; it replaces HA's selection and leaves merging and the fits unchanged, so the
+printed ``omp/idx-sel`` (OMP-fast select + fit / the indexer's selection) is the paper's
+"OMP key selection vs one scoring pass" comparison, slightly in OMP's disfavour (its time
+includes AM's fits).
 
 Printed from the same run: OMP time / ARC-KV time (per ratio and length; per-layer compaction
 only, and end to end with the shared repeat-prefill), and ARC-KV's time beyond the
@@ -223,6 +229,30 @@ def print_model_summary(results: dict, args, methods: list[str]) -> None:
             print(" ".join(parts))
 
 
+def _synthetic_indexer(H: int, D: int):
+    """The default model's shipped indexer when its heads have this shape, else ``None``."""
+    from arckv_press.indexer.checkpoint import default_indexer_path, load_indexer
+    from arckv_press.models import DEFAULT_MODEL_ID
+
+    path = default_indexer_path(DEFAULT_MODEL_ID)
+    if path is None:
+        return None
+    indexer, _, _ = load_indexer(path, model_id=DEFAULT_MODEL_ID)
+    if (indexer.config.num_kv_heads, indexer.config.head_dim) != (H, D):
+        return None
+    return indexer
+
+
+def _indexer_selection(indexer, X, Q, K, V, budgets, scaling):
+    """ARC-KV's anchor selection with the learned indexer (layer 0): one scoring pass + top-t."""
+    from arckv_press.compaction.layer import LayerMethod, anchor_scores
+    from arckv_press.compaction.select import chunked_topk_anchors
+
+    method = LayerMethod("arckv")
+    scores = anchor_scores(method, Q, K, V, scaling, X, indexer, 0)
+    return chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
+
+
 def synthetic_section(args, meta: dict) -> list[dict]:
     from arckv_press.compaction.layer import LayerMethod, compact_layer
     from arckv_press.compaction.omp import am_compact
@@ -230,9 +260,12 @@ def synthetic_section(args, meta: dict) -> list[dict]:
     H, D, n = 3, 64, args.queries
     scaling = D**-0.5
     Ts = [T for T in (1024, 2048, 4096, 8192, 16384, 32768, 65536) if T <= args.max_T]
+    indexer = _synthetic_indexer(H, D)
     print(f"\nsynthetic heads: H={H}, D={D}, n={n} reference rows per head, float32, T in {Ts}, "
-          f"rho {' '.join(f'{r:g}' for r in args.synthetic_ratios)}; median of {args.repeats} repeat(s)")
-    head = f"{'T':>6} {'rho':>5} | {'arckv-ha s':>10} {'select':>7} {'merge':>7} {'beta':>7} {'C_v':>7} | {'omp-fast s':>10} {'omp/arc':>8}"
+          f"rho {' '.join(f'{r:g}' for r in args.synthetic_ratios)}; median of {args.repeats} repeat(s); "
+          + ("learned indexer: the shipped one, layer 0" if indexer is not None else "no learned indexer shipped"))
+    head = (f"{'T':>6} {'rho':>5} | {'arckv-ha s':>10} {'select':>7} {'merge':>7} {'beta':>7} {'C_v':>7} | "
+            f"{'idx-sel s':>9} | {'omp-fast s':>10} {'omp/arc':>8} {'omp/idx-sel':>11}")
     print(head)
     print("-" * len(head), flush=True)
     rows = []
@@ -243,6 +276,9 @@ def synthetic_section(args, meta: dict) -> list[dict]:
     Kw, Vw, Qw = (torch.randn(H, m, D, generator=gen) for m in (512, 512, 256))
     compact_layer(Kw, Vw, Qw, torch.full((H,), 51), scaling, method)
     am_compact(Qw, Kw, Vw, torch.full((H,), 51), scaling, "omp-fast")
+    X = None if indexer is None else torch.randn(n, indexer.config.d_x, generator=gen)
+    if indexer is not None:
+        _indexer_selection(indexer, torch.randn(Qw.shape[1], X.shape[1], generator=gen), Qw, Kw, Vw, torch.full((H,), 51), scaling)
     for T in Ts:
         K, V, Q = torch.randn(H, T, D, generator=gen), torch.randn(H, T, D, generator=gen), torch.randn(H, n, D, generator=gen)
         for ratio in args.synthetic_ratios:
@@ -253,6 +289,13 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                 res = compact_layer(K, V, Q, budgets, scaling, method)
                 runs.append({**res.timings, "total": time.perf_counter() - t0})
             arc = median_stages(runs)
+            idx_sel = None
+            if indexer is not None:
+                idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Q, K, V, budgets, scaling), args.repeats,
+                                         warmup=0)
+                rows.append({"section": "synthetic", "method": "arckv", "ratio": f"{ratio:g}", "length": T,
+                             "stage": "selection", "seconds": f"{idx_sel:.4f}", "repeats": args.repeats,
+                             "threads": torch.get_num_threads(), "dtype": "float32", **meta})
             omp = None
             if not omp_stopped:
                 omp = median_seconds(partial(am_compact, Q, K, V, budgets, scaling, "omp-fast"), args.repeats, warmup=0)
@@ -265,9 +308,14 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                 rows.append({"section": "synthetic", "method": "am-omp-fast", "ratio": f"{ratio:g}", "length": T,
                              "stage": "total", "seconds": f"{omp:.4f}", "repeats": args.repeats,
                              "threads": torch.get_num_threads(), "dtype": "float32", **meta})
-            omp_txt = f"{omp:>10.2f} {omp / arc['total']:>7.2f}x" if omp is not None else f"{'skipped':>10} {'-':>8}"
+            idx_txt = f"{idx_sel:>9.2f}" if idx_sel is not None else f"{'-':>9}"
+            if omp is None:
+                omp_txt = f"{'skipped':>10} {'-':>8} {'-':>11}"
+            else:
+                per_idx = f"{omp / idx_sel:>10.1f}x" if idx_sel is not None else f"{'-':>11}"
+                omp_txt = f"{omp:>10.2f} {omp / arc['total']:>7.2f}x {per_idx}"
             print(f"{T:>6} {ratio:>5g} | {arc['total']:>10.2f} {arc.get('selection', 0):>7.2f} {arc.get('merge', 0):>7.2f} "
-                  f"{arc.get('beta_fit', 0):>7.2f} {arc.get('value_fit', 0):>7.2f} | {omp_txt}", flush=True)
+                  f"{arc.get('beta_fit', 0):>7.2f} {arc.get('value_fit', 0):>7.2f} | {idx_txt} | {omp_txt}", flush=True)
     if omp_stopped:
         print(f"(OMP-fast not run beyond the first length where it took more than --omp-cap {args.omp_cap:g} s)")
     return rows

@@ -18,9 +18,12 @@ def test_synthetic_sweep_prints_the_ratio_of_the_timings_it_writes(tmp_path, cap
     assert all(v >= 0 for v in arc.values())
     assert arc["total"] >= arc["merge"] + arc["beta_fit"] + arc["value_fit"]  # stages lie inside the call
     (omp,) = [float(r["seconds"]) for r in rows if r["method"] == "am-omp-fast"]
+    (idx_sel,) = [float(r["seconds"]) for r in rows if r["method"] == "arckv"]  # the shipped indexer's selection
+    assert {r["stage"] for r in rows if r["method"] == "arckv"} == {"selection"} and idx_sel > 0
     line = next(l for l in capsys.readouterr().out.splitlines() if l.split()[:2] == ["1024", "0.05"])
-    printed = float(line.split()[-1].rstrip("x"))
-    assert abs(printed - omp / arc["total"]) <= 0.01 + 0.01 * printed  # CSV keeps 4 decimals, the print 2
+    omp_arc, omp_idx = (float(x.rstrip("x")) for x in line.split()[-2:])
+    assert abs(omp_arc - omp / arc["total"]) <= 0.01 + 0.01 * omp_arc  # CSV keeps 4 decimals, the print 2
+    assert abs(omp_idx - omp / idx_sel) <= 0.05 + 0.01 * omp_idx
 
 
 def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys):
