@@ -113,6 +113,10 @@ def _pool_files(args) -> list[Path]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    from arckv_press.runinfo import print_header
+
+    print_header("soft surrogate check (scripts/check_surrogate.py)",
+                 argv=None if argv is None else [sys.argv[0], *argv])
     from arckv_press.indexer.checkpoint import checkpoint_id, default_indexer_path, load_indexer
     from arckv_press.indexer.data import load_pool
     from arckv_press.models import DEFAULT_MODEL_ID
