@@ -276,9 +276,16 @@ def synthetic_section(args, meta: dict) -> list[dict]:
     Kw, Vw, Qw = (torch.randn(H, m, D, generator=gen) for m in (512, 512, 256))
     compact_layer(Kw, Vw, Qw, torch.full((H,), 51), scaling, method)
     am_compact(Qw, Kw, Vw, torch.full((H,), 51), scaling, "omp-fast")
-    X = None if indexer is None else torch.randn(n, indexer.config.d_x, generator=gen)
+    X = None
     if indexer is not None:
+        X = torch.randn(n, indexer.config.d_x, generator=gen)
         _indexer_selection(indexer, torch.randn(Qw.shape[1], X.shape[1], generator=gen), Qw, Kw, Vw, torch.full((H,), 51), scaling)
+
+    def timing_row(method_name: str, ratio: float, T: int, stage: str, seconds: float) -> dict:
+        return {"section": "synthetic", "method": method_name, "ratio": f"{ratio:g}", "length": T, "stage": stage,
+                "seconds": f"{seconds:.4f}", "repeats": args.repeats, "threads": torch.get_num_threads(),
+                "dtype": "float32", **meta}
+
     for T in Ts:
         K, V, Q = torch.randn(H, T, D, generator=gen), torch.randn(H, T, D, generator=gen), torch.randn(H, n, D, generator=gen)
         for ratio in args.synthetic_ratios:
@@ -293,21 +300,14 @@ def synthetic_section(args, meta: dict) -> list[dict]:
             if indexer is not None:
                 idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Q, K, V, budgets, scaling), args.repeats,
                                          warmup=0)
-                rows.append({"section": "synthetic", "method": "arckv", "ratio": f"{ratio:g}", "length": T,
-                             "stage": "selection", "seconds": f"{idx_sel:.4f}", "repeats": args.repeats,
-                             "threads": torch.get_num_threads(), "dtype": "float32", **meta})
+                rows.append(timing_row("arckv", ratio, T, "selection", idx_sel))
             omp = None
             if not omp_stopped:
                 omp = median_seconds(partial(am_compact, Q, K, V, budgets, scaling, "omp-fast"), args.repeats, warmup=0)
                 omp_stopped = omp > args.omp_cap
-            for stage, sec in arc.items():
-                rows.append({"section": "synthetic", "method": "arckv-ha", "ratio": f"{ratio:g}", "length": T,
-                             "stage": stage, "seconds": f"{sec:.4f}", "repeats": args.repeats,
-                             "threads": torch.get_num_threads(), "dtype": "float32", **meta})
+            rows += [timing_row("arckv-ha", ratio, T, stage, sec) for stage, sec in arc.items()]
             if omp is not None:
-                rows.append({"section": "synthetic", "method": "am-omp-fast", "ratio": f"{ratio:g}", "length": T,
-                             "stage": "total", "seconds": f"{omp:.4f}", "repeats": args.repeats,
-                             "threads": torch.get_num_threads(), "dtype": "float32", **meta})
+                rows.append(timing_row("am-omp-fast", ratio, T, "total", omp))
             idx_txt = f"{idx_sel:>9.2f}" if idx_sel is not None else f"{'-':>9}"
             if omp is None:
                 omp_txt = f"{'skipped':>10} {'-':>8} {'-':>11}"

@@ -100,10 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _pool_files(args) -> list[Path]:
     if args.pool_files:
         return [Path(f) for f in args.pool_files]
-    from arckv_press.indexer.checkpoint import model_dir_name
-    from arckv_press.models import DEFAULT_MODEL_ID, default_cache_dir
+    from arckv_press.indexer.data import default_pool_dir
+    from arckv_press.models import DEFAULT_MODEL_ID
 
-    folder = default_cache_dir() / "pools" / model_dir_name(DEFAULT_MODEL_ID)
+    folder = default_pool_dir(DEFAULT_MODEL_ID)
     files = sorted(folder.glob("*.safetensors"))[: args.pools]
     if not files:
         raise SystemExit(f"no reference pools in {folder}; build them with scripts/train_indexer.py --pools-only")

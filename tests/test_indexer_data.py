@@ -222,6 +222,9 @@ def test_train_script_smoke_shards_resume_and_merge(tiny_model, tiny_tokenizer, 
     train_ctx, _, _ = run._contexts(args, tok)
     pool_paths = [D.pool_path(D.default_pool_dir(model, tmp_path / "cache"), model, c.text,
                               D.PoolSettings(24)) for c in train_ctx]
+    from arckv_press.models import model_id
+
+    assert D.default_pool_dir(model_id(model), tmp_path / "cache") == D.default_pool_dir(model, tmp_path / "cache")
     assert run.train_shard(model, pool_paths, shard_dir, settings, [1], False, max_epochs=1) == []
     assert run.layer_state_path(shard_dir, 1).is_file()
     assert run.train_shard(model, pool_paths, shard_dir, settings, [1], False) == [1]

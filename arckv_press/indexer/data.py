@@ -294,13 +294,14 @@ def pool_key(model: Any, text: str, settings: PoolSettings) -> str:
 
 def default_pool_dir(model: Any, cache_dir: str | Path | None = None) -> Path:
     """``<cache>/pools/<model dir>`` with ``<cache>`` = ``cache_dir`` or
-    :func:`arckv_press.models.default_cache_dir` (``$ARCKV_CACHE_DIR`` or ``~/.cache/arckv-press``)."""
+    :func:`arckv_press.models.default_cache_dir` (``$ARCKV_CACHE_DIR`` or ``~/.cache/arckv-press``).
+    ``model``: a model, its config, or its model id (:func:`arckv_press.models.model_id`)."""
     from arckv_press.models import default_cache_dir, model_id
 
     from .checkpoint import model_dir_name
 
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return root / "pools" / model_dir_name(model_id(model))
+    return root / "pools" / model_dir_name(model if isinstance(model, str) else model_id(model))
 
 
 def pool_path(pool_dir: str | Path, model: Any, text: str, settings: PoolSettings) -> Path:
