@@ -15,7 +15,9 @@ excluded). kvpress presses (SnapKV, KVzip, Expected Attention) are timed end to 
 
 Synthetic part: ``compact_layer`` with ``arckv-ha`` (select + merge + fit) against
 ``am_compact(..., "omp-fast")`` on random ``K, V [H, T, D]``, ``Q [H, n, D]`` (H = 3, D = 64,
-n = 2048 reference rows per head), T from 1024 up to ``--max-T``. OMP-fast is not run at a
+n = max(``--queries`` (2048), 2 t) reference rows per head, so there are always at least twice
+as many rows as kept keys, as with a real repeat-prefill; OMP refuses t > n), T from 1024 up to
+``--max-T``. OMP-fast is not run at a
 length once a shorter one took more than ``--omp-cap`` seconds. When the default model's
 indexer is shipped, its anchor selection (method ``arckv``, stage ``selection``: the scoring
 pass of layer 0's parameters on random activations ``X [n, d_x]`` plus top-t) is timed on the
@@ -257,14 +259,14 @@ def synthetic_section(args, meta: dict) -> list[dict]:
     from arckv_press.compaction.layer import LayerMethod, compact_layer
     from arckv_press.compaction.omp import am_compact
 
-    H, D, n = 3, 64, args.queries
+    H, D = 3, 64
     scaling = D**-0.5
     Ts = [T for T in (1024, 2048, 4096, 8192, 16384, 32768, 65536) if T <= args.max_T]
     indexer = _synthetic_indexer(H, D)
-    print(f"\nsynthetic heads: H={H}, D={D}, n={n} reference rows per head, float32, T in {Ts}, "
+    print(f"\nsynthetic heads: H={H}, D={D}, n = max({args.queries}, 2t) reference rows per head, float32, T in {Ts}, "
           f"rho {' '.join(f'{r:g}' for r in args.synthetic_ratios)}; median of {args.repeats} repeat(s); "
           + ("learned indexer: the shipped one, layer 0" if indexer is not None else "no learned indexer shipped"))
-    head = (f"{'T':>6} {'rho':>5} | {'arckv-ha s':>10} {'select':>7} {'merge':>7} {'beta':>7} {'C_v':>7} | "
+    head = (f"{'T':>6} {'rho':>5} {'n':>5} | {'arckv-ha s':>10} {'select':>7} {'merge':>7} {'beta':>7} {'C_v':>7} | "
             f"{'idx-sel s':>9} | {'omp-fast s':>10} {'omp/arc':>8} {'omp/idx-sel':>11}")
     print(head)
     print("-" * len(head), flush=True)
@@ -276,10 +278,8 @@ def synthetic_section(args, meta: dict) -> list[dict]:
     Kw, Vw, Qw = (torch.randn(H, m, D, generator=gen) for m in (512, 512, 256))
     compact_layer(Kw, Vw, Qw, torch.full((H,), 51), scaling, method)
     am_compact(Qw, Kw, Vw, torch.full((H,), 51), scaling, "omp-fast")
-    X = None
     if indexer is not None:
-        X = torch.randn(n, indexer.config.d_x, generator=gen)
-        _indexer_selection(indexer, torch.randn(Qw.shape[1], X.shape[1], generator=gen), Qw, Kw, Vw, torch.full((H,), 51), scaling)
+        _indexer_selection(indexer, torch.randn(Qw.shape[1], indexer.config.d_x, generator=gen), Qw, Kw, Vw, torch.full((H,), 51), scaling)
 
     def timing_row(method_name: str, ratio: float, T: int, stage: str, seconds: float) -> dict:
         return {"section": "synthetic", "method": method_name, "ratio": f"{ratio:g}", "length": T, "stage": stage,
@@ -287,9 +287,13 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                 "dtype": "float32", **meta}
 
     for T in Ts:
-        K, V, Q = torch.randn(H, T, D, generator=gen), torch.randn(H, T, D, generator=gen), torch.randn(H, n, D, generator=gen)
+        K, V = torch.randn(H, T, D, generator=gen), torch.randn(H, T, D, generator=gen)
         for ratio in args.synthetic_ratios:
-            budgets = torch.full((H,), max(1, int(ratio * T)))
+            t = max(1, int(ratio * T))
+            budgets = torch.full((H,), t)
+            n = max(args.queries, 2 * t)
+            Q = torch.randn(H, n, D, generator=gen)
+            X = torch.randn(n, indexer.config.d_x, generator=gen) if indexer is not None else None
             runs = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
@@ -314,7 +318,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
             else:
                 per_idx = f"{omp / idx_sel:>10.1f}x" if idx_sel is not None else f"{'-':>11}"
                 omp_txt = f"{omp:>10.2f} {omp / arc['total']:>7.2f}x {per_idx}"
-            print(f"{T:>6} {ratio:>5g} | {arc['total']:>10.2f} {arc.get('selection', 0):>7.2f} {arc.get('merge', 0):>7.2f} "
+            print(f"{T:>6} {ratio:>5g} {n:>5} | {arc['total']:>10.2f} {arc.get('selection', 0):>7.2f} {arc.get('merge', 0):>7.2f} "
                   f"{arc.get('beta_fit', 0):>7.2f} {arc.get('value_fit', 0):>7.2f} | {idx_txt} | {omp_txt}", flush=True)
     if omp_stopped:
         print(f"(OMP-fast not run beyond the first length where it took more than --omp-cap {args.omp_cap:g} s)")

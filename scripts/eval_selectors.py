@@ -130,8 +130,11 @@ def evaluate_layer(pool, layer, indexer, init_indexer, weights_layer, ratios, ho
                 err = heldout_error(Qf, Qh, K, V, pool.scaling, idx, valid, Y_hold=Y_hold)
                 yield dict(selector=name, pooling=pooling, budgets=mode, ratio=rho, err=err,
                            kept=float(valid.sum()) / (H * T), seconds=sec + sec_top)
-        if use_omp:
-            budgets = budget_modes["uniform"]
+        budgets = budget_modes["uniform"]
+        if use_omp and int(budgets.max()) > Qf.shape[1]:
+            print(f"omp-fast skipped at rho {rho:g}, T {T}: {int(budgets.max())} kept keys > {Qf.shape[1]} fit rows "
+                  "(OMP needs at least as many rows as keys)")
+        elif use_omp:
             (idx, valid, _w), sec = _timed(lambda: omp_select(Qf, K, budgets, pool.scaling, AM_OMP_FAST))
             err = heldout_error(Qf, Qh, K, V, pool.scaling, idx, valid, Y_hold=Y_hold)
             yield dict(selector="omp-fast", pooling="-", budgets="uniform", ratio=rho, err=err,

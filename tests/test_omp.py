@@ -401,6 +401,12 @@ def test_bad_inputs_raise():
         omp_select(Q, K, 4, -1.0)
     with pytest.raises(ValueError, match="variant"):
         am_compact(Q, K, V, 4, s, "lasso")
+    # more kept keys (17) than reference rows (16): OMP refuses (it returned NaN weights before)
+    for variant in ("omp", "omp-fast"):
+        with pytest.raises(ValueError, match="at least as many reference query rows"):
+            am_compact(Q, K, V, 17, s, variant)
+    with pytest.raises(ValueError, match="at least as many reference query rows"):
+        omp_on_mass(torch.rand(2, 16, 20), torch.rand(2, 16), 17)
     with pytest.raises(ValueError, match="agree"):
         omp_select(Q, K[:, :, :4], 4, s)
     with pytest.raises(ValueError, match="V"):

@@ -411,6 +411,8 @@ class _OMPState:
         count = self.count[heads]
         L, y = self._sub(self.L, heads), self._sub(self.y, heads)
         w_ls = torch.linalg.solve_triangular(L.mT, y[:, :, None], upper=True)[:, :, 0]
+        if not bool(torch.isfinite(w_ls).all()):
+            raise RuntimeError("OMP: the mass weights overflowed (near-singular least squares); keep fewer keys")
         filled = self.slot < count[:, None]
         w_fit = torch.where(filled, w_ls.clamp(self.cfg.w_min, self.cfg.w_max), 0.0)
         w_lazy = torch.where(self.slot < count0[:, None], self.w[heads], torch.where(filled, self.cfg.w_min, 0.0))
@@ -495,7 +497,14 @@ def _omp_core(
     E: torch.Tensor, target: torch.Tensor, budgets: torch.Tensor, config: OMPConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`omp_on_mass` on checked inputs."""
-    H = E.shape[0]
+    H, n, _ = E.shape
+    t_max = int(budgets.max())
+    if t_max > n:
+        raise ValueError(
+            f"OMP needs at least as many reference query rows as kept keys, got a budget of {t_max} keys for "
+            f"n={n} rows: the mass least squares is then underdetermined (its residual is already zero) and the "
+            "incremental Cholesky breaks down. Give more reference queries or keep fewer keys."
+        )
     state = _OMPState(E, target.to(_F64), budgets, config)
     all_heads = torch.arange(H, device=E.device)
     while not bool(state.done.all()):
