@@ -267,3 +267,17 @@ def test_train_script_smoke_shards_resume_and_merge(tiny_model, tiny_tokenizer, 
         run.main(_args(tmp_path, "--layers", "0", "--lr-kl", "0.5"), model, tok)
     with pytest.raises(ValueError, match="different settings"):
         run.main(_args(tmp_path, "--merge", "--out", str(out), "--lr-kl", "0.5"), model, tok)
+
+
+def test_ridge_v_flag_sets_the_training_fit_and_the_run_fingerprint(tiny_model, tmp_path):
+    from arckv_press.compaction.fit import FitConfig
+    from arckv_press.indexer import run
+
+    default = run.settings_from_args(run.build_parser().parse_args(_args(tmp_path)))
+    ridged = run.settings_from_args(run.build_parser().parse_args(_args(tmp_path, "--ridge-v", "0.1")))
+    assert default.train.fit_config is None
+    assert ridged.train.fit_config == FitConfig(ridge_v=0.1)
+    model, pools = tiny_model("llama", num_layers=2, seed=0), [tmp_path / "a.safetensors"]
+    assert run.run_fingerprint(model, pools, default) != run.run_fingerprint(model, pools, ridged)
+    with pytest.raises(ValueError, match="ridge_v"):
+        run.settings_from_args(run.build_parser().parse_args(_args(tmp_path, "--ridge-v", "-1")))

@@ -58,6 +58,8 @@ from typing import Any, Sequence
 
 import torch
 
+from arckv_press.compaction.fit import FitConfig
+
 from .budget import DEFAULT_FRACTIONS, DEFAULT_RATIOS, budget_weights_from_curves, error_curves
 from .checkpoint import WEIGHTS_DIR, model_dir_name, save_indexer
 from .data import (
@@ -410,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lambda-kl", type=float, default=1.0)
     t.add_argument("--ratios", type=float, nargs="+", default=list(DEFAULT_RATIOS))
     t.add_argument("--pooling", default="rms")
+    t.add_argument("--ridge-v", type=float, default=None,
+                   help="relative C_v ridge of the training episodes, hard fit and soft solve (default: FitConfig's "
+                        "1e-3, as at inference); episodes fit C_v on a few hundred rows, inference on thousands")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--n-index-heads", type=int, default=None)
     t.add_argument("--d-index", type=int, default=None)
@@ -425,6 +430,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         kl_max_rows=args.kl_max_rows, episode_fractions=tuple(args.episode_fractions),
         lambda_out=args.lambda_out, lambda_kl=args.lambda_kl, ratios=tuple(args.ratios),
         pooling=args.pooling, seed=args.seed,
+        fit_config=None if args.ridge_v is None else FitConfig(ridge_v=args.ridge_v),
     )
     overrides = {k: getattr(args, k) for k in ("n_index_heads", "d_index", "d_value_attn")
                  if getattr(args, k) is not None}
