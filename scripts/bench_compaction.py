@@ -273,7 +273,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(args.seed)
     method = LayerMethod("arckv-ha")
-    omp_stopped = False
+    omp_stopped = omp_skipped = False
     # warm-up (untimed)
     Kw, Vw, Qw = (torch.randn(H, m, D, generator=gen) for m in (512, 512, 256))
     compact_layer(Kw, Vw, Qw, torch.full((H,), 51), scaling, method)
@@ -306,6 +306,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                                          warmup=0)
                 rows.append(timing_row("arckv", ratio, T, "selection", idx_sel))
             omp = None
+            omp_skipped |= omp_stopped
             if not omp_stopped:
                 omp = median_seconds(partial(am_compact, Q, K, V, budgets, scaling, "omp-fast"), args.repeats, warmup=0)
                 omp_stopped = omp > args.omp_cap
@@ -320,7 +321,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                 omp_txt = f"{omp:>10.2f} {omp / arc['total']:>7.2f}x {per_idx}"
             print(f"{T:>6} {ratio:>5g} {n:>5} | {arc['total']:>10.2f} {arc.get('selection', 0):>7.2f} {arc.get('merge', 0):>7.2f} "
                   f"{arc.get('beta_fit', 0):>7.2f} {arc.get('value_fit', 0):>7.2f} | {idx_txt} | {omp_txt}", flush=True)
-    if omp_stopped:
+    if omp_skipped:
         print(f"(OMP-fast not run beyond the first length where it took more than --omp-cap {args.omp_cap:g} s)")
     return rows
 
