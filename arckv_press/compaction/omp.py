@@ -474,7 +474,8 @@ def omp_on_mass(
     Args:
         E: ``[H, n, T]`` float32/float64 columns (one per key), e.g. from :func:`attention_mass`.
         target: ``[H, n]`` vector to fit (AM: ``E 1``).
-        budgets: LongTensor ``[H]`` (or an int for all heads), ``1 <= t_h <= T``.
+        budgets: LongTensor ``[H]`` (or an int for all heads), ``1 <= t_h <= min(T, n)`` (more keys
+            than rows leaves the least squares underdetermined: ``ValueError``).
         config: :class:`OMPConfig`.
 
     Returns:
@@ -630,7 +631,7 @@ def am_compact(
 
     Args:
         Q: ``[H, n, D]`` reference queries; K: ``[H, T, D]``; V: ``[H, T, Dv]``.
-        budgets: LongTensor ``[H]`` (or int), ``1 <= t_h <= T``.
+        budgets: LongTensor ``[H]`` (or int), ``1 <= t_h <= T``; for the OMP variants also ``t_h <= n``.
         scaling: softmax scale.
         variant: ``"omp"`` (:data:`AM_OMP`), ``"omp-fast"`` (:data:`AM_OMP_FAST`) or ``"ha"``.
 
