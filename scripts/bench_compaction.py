@@ -306,7 +306,6 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                                          warmup=0)
                 rows.append(timing_row("arckv", ratio, T, "selection", idx_sel))
             omp = None
-            omp_skipped |= omp_stopped
             if not omp_stopped:
                 omp = median_seconds(partial(am_compact, Q, K, V, budgets, scaling, "omp-fast"), args.repeats, warmup=0)
                 omp_stopped = omp > args.omp_cap
@@ -315,6 +314,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                 rows.append(timing_row("am-omp-fast", ratio, T, "total", omp))
             idx_txt = f"{idx_sel:>9.2f}" if idx_sel is not None else f"{'-':>9}"
             if omp is None:
+                omp_skipped = True
                 omp_txt = f"{'skipped':>10} {'-':>8} {'-':>11}"
             else:
                 per_idx = f"{omp / idx_sel:>10.1f}x" if idx_sel is not None else f"{'-':>11}"

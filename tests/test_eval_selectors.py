@@ -16,11 +16,11 @@ def _pool(seed=0, H=2, G=2, n_ref=40, T=60, D=8, d_x=16):
                          K=torch.randn(H, T, D, generator=g), V=torch.randn(H, T, D, generator=g), scaling=D**-0.5)
 
 
-def _rows(pool, ratios, use_omp=True):
+def _rows(pool, ratios):
     mod = load_script("eval_selectors")
     cfg = IndexerConfig(num_layers=1, num_kv_heads=2, head_dim=8, d_x=16, n_index_heads=2, d_index=4, d_value_attn=4)
     idx = ValueAwareIndexer(cfg, seed=0)
-    return list(mod.evaluate_layer(pool, 0, idx, idx, None, ratios, 0.25, 3, use_omp))
+    return list(mod.evaluate_layer(pool, 0, idx, idx, None, ratios, 0.25, 3, True))
 
 
 def test_ha_and_omp_rows_match_recomputation():
