@@ -7,9 +7,14 @@ uncompressed block of Eq. (concatenated_attention_preservation))::
 
 The function is registered in transformers' ``AttentionInterface`` under ``arckv_sdpa`` /
 ``arckv_eager`` (registration happens on first use, never at import). It recognises a compact
-layer by the two extra key channels written by :meth:`arckv_press.cache.CompactLayer.update`
-(bias, compact flag) and otherwise delegates unchanged to the base implementation, so a model
-switched with :func:`enable_compact_attention` behaves exactly as before on ordinary caches.
+layer by the marker channel of the keys :meth:`arckv_press.cache.CompactLayer.update` returns
+(``D + 1`` channels, the compacted block attached as ``keys.arckv_block``) and otherwise delegates
+unchanged to the base implementation, so a model switched with :func:`enable_compact_attention`
+behaves exactly as before on ordinary caches.
+
+The compacted block is the same for every sequence of a batch (one context, many questions), so
+its logits come from one batched matmul per KV head over all queries of the batch and it is never
+copied per sequence; the ordinary rows are attended per sequence; one softmax runs over both.
 
 Masks: transformers builds one mask per forward from a single layer's reported length. Compact
 layers report ``span + A`` positions but hold ``t_max + A`` rows, so this function never uses the
@@ -43,49 +48,63 @@ def compact_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over a compact working copy (keys carry bias and compact-flag channels).
+    """Attention over a compacted block plus ordinary rows (paper Eq. (compact_attention)).
 
-    Shapes: query ``[B, Hq, n, D]``, key ``[B, Hkv, L, D + 2]``, value ``[B, Hkv, L, D]``. Returns
-    ``[B, n, Hq, D]`` as transformers' attention functions do. Logits, softmax and the weighted sum
-    run in float32 and are cast back to the query dtype.
+    Shapes: query ``[B, Hq, n, D]``; key ``[B, Hkv, A, D + 1]`` (ordinary rows and a marker
+    channel) carrying ``key.arckv_block = (C_k [Hkv, t, D], beta [Hkv, t], C_v [Hkv, t, D])``
+    shared by the batch; value ``[B, Hkv, A, D]``. Returns ``[B, n, Hq, D]`` as transformers'
+    attention functions do. Logits, softmax and the weighted sums run in float32 and are cast back
+    to the query dtype.
     """
+    block = getattr(key, "arckv_block", None)
+    if block is None:
+        raise ValueError(
+            "compact attention got keys without their compacted block (the model changed the key states "
+            "between the cache update and attention, which arckv-press does not support)"
+        )
+    ck, beta, cv = block
     B, Hq, n, D = query.shape
-    Hkv, L = key.shape[1], key.shape[2]
+    Hkv, A, t = key.shape[1], key.shape[2], ck.shape[1]
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    if A < n:
+        raise ValueError(f"compact attention got {n} queries but only {A} ordinary rows")
     G = Hq // Hkv
     scaling = D**-0.5 if scaling is None else scaling
-    k, bias, flag = key[..., :D].float(), key[..., D].float(), key[..., D + 1]
-    n_new = int((flag[0, 0] == 0).sum())  # ordinary rows (same for every head)
-    if n_new < n:
-        raise ValueError(f"compact attention got {n} queries but only {n_new} ordinary rows")
+    q = query.float().reshape(B, Hkv, G * n, D)  # query head h * G + g reads KV head h
 
-    # Additive float32 mask [B, Hq, n, L]: beta on every row (-inf pads short heads; 0 on ordinary
-    # rows), plus causal/padding on the ordinary rows. Then torch's SDPA kernel (the same kernel the
-    # model's own path uses, so an uncompacted cache reproduces it to float rounding).
-    mask = bias[:, :, None, None, :].expand(B, Hkv, G, n, L).reshape(B, Hq, n, L).clone()
-    new_part = mask[..., L - n_new :]
+    # compacted block, one matmul per KV head over every query of the batch: [Hkv, B G n, t]
+    qc = q.transpose(0, 1).reshape(Hkv, B * G * n, D)
+    logits_c = torch.baddbmm(beta.float()[:, None, :], qc, ck.float().transpose(1, 2), alpha=scaling)
+    logits_c = logits_c.view(Hkv, B, G * n, t).transpose(0, 1)  # [B, Hkv, G n, t]
+
+    # ordinary rows, per sequence, with causal / padding masking: [B, Hkv, G, n, A]
+    logits_n = torch.matmul(q, key[..., :D].float().transpose(-1, -2)).mul_(scaling).view(B, Hkv, G, n, A)
     if attention_mask is not None:
-        m = attention_mask[..., -n_new:]  # [B, 1, n, n_new]
+        m = attention_mask[..., -A:]  # [B, 1 or Hq, n, A]
+        m = m.expand(B, Hq, n, A).reshape(B, Hkv, G, n, A)
         if m.dtype == torch.bool:
-            new_part.masked_fill_(~m, float("-inf"))
+            logits_n.masked_fill_(~m, float("-inf"))
         else:
-            new_part.add_(m.float())
+            logits_n.add_(m.float())
     elif n > 1:
         i = torch.arange(n, device=query.device)[:, None]
-        j = torch.arange(n_new, device=query.device)[None, :]
-        new_part.masked_fill_(j > i + (n_new - n), float("-inf"))
-    training = dropout > 0.0 and module is not None and module.training
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.float(), k, value.float(), attn_mask=mask, dropout_p=dropout if training else 0.0, scale=scaling,
-        enable_gqa=True,
-    ).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), None
+        j = torch.arange(A, device=query.device)[None, :]
+        logits_n.masked_fill_(j > i + (A - n), float("-inf"))
+
+    # one softmax over both parts (every query sees the compacted block: at least one finite logit)
+    probs = torch.softmax(torch.cat([logits_c, logits_n.view(B, Hkv, G * n, A)], dim=-1), dim=-1)
+    if dropout > 0.0 and module is not None and module.training:
+        probs = torch.nn.functional.dropout(probs, p=dropout)
+    p_c, p_n = probs[..., :t], probs[..., t:]
+    out_c = torch.bmm(p_c.transpose(0, 1).reshape(Hkv, B * G * n, t), cv.float())
+    out = out_c.view(Hkv, B, G * n, D).transpose(0, 1) + torch.matmul(p_n, value.float())
+    return out.reshape(B, Hq, n, D).to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 def _make_dispatch(base: str):
     def arckv_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        if key.shape[-1] == query.shape[-1] + 2:
+        if key.shape[-1] == query.shape[-1] + 1:
             return compact_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
         # Look up the library-wide instance (not the class mapping) so that functions other
         # libraries registered on it (e.g. kvpress's masked-key patch) keep working. eager lives in

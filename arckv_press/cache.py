@@ -16,11 +16,14 @@ original positions the compacted block stands for, so that a caller passing only
 gets the original positions (new token i sits at ``original length + i``, as in kvpress's
 pipeline). The attention itself only ever sees the rows actually stored.
 
-How a layer talks to the attention function: :meth:`CompactLayer.update` returns a *working copy*
-``[B, H, t_max + A, D + 2]`` for keys: channel ``D`` carries the bias (``-inf`` for the padding of
-heads shorter than ``t_max``) and channel ``D + 1`` flags compacted rows (1) versus ordinary rows
-(0). The attention function registered in :mod:`arckv_press.attention` strips both channels.
-The padded copy is transient; only the packed tensors are stored.
+How a layer talks to the attention function: :meth:`CompactLayer.update` returns the ordinary
+rows only, keys ``[B, H, A, D + 1]`` with one extra zero channel that marks them as a compact
+layer's rows, and attaches the compacted block to that key tensor as attribute ``arckv_block``
+(:meth:`CompactLayer.block`: ``C_k, beta, C_v`` padded to ``[H, t_max, ...]``, views when every
+head holds the same number of entries). The attention function registered in
+:mod:`arckv_press.attention` attends to the block once for the whole batch and to the ordinary
+rows per sequence, so no step copies the compacted block per sequence. The marker channel makes
+any attention function that does not know the layout fail loudly on the shape.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ class CompactLayer(CacheLayerMixin):
         self.span = int(span)
         self.dtype, self.device = keys.dtype, keys.device
         self.num_heads, self.head_dim = lengths.shape[0], keys.shape[1]
+        self._t_max = int(lengths.max())
         empty = keys.new_zeros(1, self.num_heads, 0, self.head_dim)
         if (fixed_keys is None) != (fixed_values is None):
             raise ValueError(f"{where}: give both fixed_keys and fixed_values or neither")
@@ -142,6 +146,7 @@ class CompactLayer(CacheLayerMixin):
                 )
         self._new_k = fixed_keys if fixed_keys is not None else empty
         self._new_v = fixed_values if fixed_values is not None else empty
+        self._gather = self._gather_index()
         self.is_initialized = True
 
     # ------------------------------------------------------------------ sizes
@@ -156,7 +161,7 @@ class CompactLayer(CacheLayerMixin):
 
     @property
     def t_max(self) -> int:
-        return int(self.lengths.max())
+        return self._t_max
 
     def compact_nbytes(self) -> int:
         """Bytes held for the compacted context: sum_h t_h * (2 D itemsize + 4)."""
@@ -180,23 +185,34 @@ class CompactLayer(CacheLayerMixin):
         pass  # always initialised
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Padded ``C_k [H, t_max, D]``, ``beta [H, t_max]`` (-inf pad), ``C_v``.
+        """Padded ``C_k [H, t_max, D]``, ``beta [H, t_max]`` (float32, -inf pad), ``C_v``.
 
         Views without a copy when every head holds the same number of entries (uniform budgets);
-        transient padded copies otherwise.
+        otherwise transient copies gathered from the packed rows (size independent of the batch).
         """
-        if bool((self.lengths == self.lengths[0]).all()):
-            H, t = self.num_heads, int(self.lengths[0])
-            return self.ck.view(H, t, -1), self.beta.view(H, t), self.cv.view(H, t, -1)
-        ck = unpack_heads(self.ck, self.lengths)
-        cv = unpack_heads(self.cv, self.lengths)
-        beta = unpack_heads(self.beta, self.lengths, fill=-math.inf)
+        H, t_max = self.num_heads, self.t_max
+        if self._gather is None:
+            return self.ck.view(H, t_max, -1), self.beta.view(H, t_max), self.cv.view(H, t_max, -1)
+        index, pad = self._gather
+        ck = self.ck.index_select(0, index).view(H, t_max, -1)
+        cv = self.cv.index_select(0, index).view(H, t_max, -1)
+        beta = self.beta.index_select(0, index).view(H, t_max).masked_fill(pad, -math.inf)
         return ck, beta, cv
+
+    def _gather_index(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Row index into the packed tensors for each padded slot, and the padding mask (None if uniform)."""
+        if bool((self.lengths == self.lengths[0]).all()):
+            return None
+        slot = torch.arange(self.t_max, device=self.device)[None, :]
+        pad = slot >= self.lengths[:, None]
+        starts = torch.cumsum(self.lengths, 0) - self.lengths
+        index = torch.where(pad, starts[:, None], starts[:, None] + slot)  # pads read the head's first row
+        return index.reshape(-1), pad
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new tokens and return the working copy consumed by the ARC-KV attention function."""
+        """Append new tokens; return the ordinary rows (keys marked, compacted block attached)."""
         B = key_states.shape[0]
         if key_states.shape[1] != self.num_heads or key_states.shape[-1] != self.head_dim:
             raise ValueError(
@@ -211,21 +227,15 @@ class CompactLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx}: batch size {B} does not match the cache's {self.batch_size}")
         self._new_k = torch.cat([base_k.to(key_states.dtype), key_states], dim=-2)
         self._new_v = torch.cat([base_v.to(value_states.dtype), value_states], dim=-2)
-        return self.working_copy()
+        return self.attention_inputs()
 
-    def working_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``keys [B, H, t_max + A, D + 2]`` (channels: key, bias, compact flag) and ``values``."""
-        ck, beta, cv = self.padded()
-        B, A = self.batch_size, self.num_appended
-        dtype = self._new_k.dtype
-        t_max = ck.shape[1]
-        comp = torch.cat(
-            [ck.to(dtype), beta.to(dtype)[..., None], ck.new_ones(self.num_heads, t_max, 1).to(dtype)], dim=-1
-        )
-        new = torch.cat([self._new_k, self._new_k.new_zeros(B, self.num_heads, A, 2)], dim=-1)
-        keys = torch.cat([comp[None].expand(B, -1, -1, -1), new], dim=-2)
-        values = torch.cat([cv.to(dtype)[None].expand(B, -1, -1, -1), self._new_v], dim=-2)
-        return keys, values
+    def attention_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys [B, H, A, D + 1]`` (ordinary rows plus a zero marker channel, with the compacted
+        block attached as ``keys.arckv_block``) and ``values [B, H, A, D]``: what
+        :func:`arckv_press.attention.compact_attention_forward` reads."""
+        keys = torch.cat([self._new_k, self._new_k.new_zeros(*self._new_k.shape[:-1], 1)], dim=-1)
+        keys.arckv_block = self.padded()
+        return keys, self._new_v
 
     # kvpress's pipeline trims answers with `layer.keys = layer.keys[:, :, :seq_len]`, where
     # seq_len = get_seq_length() before the question. `keys` therefore exposes span + A rows: the
@@ -304,6 +314,7 @@ class CompactLayer(CacheLayerMixin):
     def _move(self, device) -> None:
         for name in ("ck", "cv", "beta", "lengths", "_new_k", "_new_v"):
             setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        self._gather = None if self._gather is None else tuple(x.to(device) for x in self._gather)
 
     def __repr__(self) -> str:
         return (

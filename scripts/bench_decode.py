@@ -8,19 +8,21 @@ is timed as the model runs it:
 - ``full``: ``DynamicLayer.update`` with the new token (transformers concatenates it to the
   ``[B, Hkv, T + A, D]`` cache) then transformers' ``sdpa_attention_forward`` (torch SDPA with
   ``enable_gqa``), the model's normal path;
-- ``compact``: ``CompactLayer.update`` with the new token (which also builds the padded working
-  copy ``[B, Hkv, t_max + A, D + 2]``) then :func:`arckv_press.attention.compact_attention_forward`
-  (``softmax(q C_k^T + beta) C_v`` over the compacted rows, paper Eq. (compact_attention));
+- ``compact``: ``CompactLayer.update`` with the new token then
+  :func:`arckv_press.attention.compact_attention_forward` (``softmax(q C_k^T + beta) C_v`` over
+  the compacted rows, paper Eq. (compact_attention)), the package's path: the compacted block is
+  shared by the batch (one matmul per KV head over all queries) and never copied per sequence;
 - ``pruned``: the ``full`` path on a plain cache of ``t + A`` rows (what a kvpress pruning press
-  at the same kept fraction leaves), so ``compact / pruned`` is the price of the bias and of the
-  padded working copy at equal size.
+  at the same kept fraction leaves), so ``compact / pruned`` is the price of the bias at equal size;
+- ``expanded``: the same attention computed the way the package did before 2026-11-25: a padded
+  working copy ``[B, Hkv, t_max + A, D]`` (the compacted block repeated for every sequence) and
+  torch SDPA with beta as additive mask. It is checked against ``compact`` before timing, and
+  ``expanded / (inputs + attn)`` (below) is the speed-up of sharing the block.
 
 ``A`` ordinary rows (the framing prefix and the question, zero bias) sit next to the compacted
-block in both caches. The compact step is also split into ``working_copy`` (building the padded
-copy alone) and ``compact_attn`` (the attention function on a prebuilt copy). ``lse_sketch``
-times a sketch of the fix suggested at the end of the output (cached padded block + two-block
-log-sum-exp attention without batch expansion); it is checked against
-``compact_attention_forward`` before timing and is NOT part of the package.
+block in all caches. The compact step is also split into ``inputs`` (``CompactLayer.attention_inputs``
+alone: the marked ordinary rows and the padded block) and ``attn`` (the attention function on
+prebuilt inputs).
 
 Bytes per layer are what each cache really holds: the full ``DynamicLayer`` (B copies of the
 context), the packed ``CompactLayer`` (one compacted block shared by the batch, plus B x A
@@ -53,7 +55,7 @@ from arckv_press.runinfo import append_rows, median_seconds, print_header, run_m
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_decode.csv"
 FIELDS = [
     "batch", "context", "ratio", "t_max", "appended", "dtype", "full_ms", "compact_ms", "compact_over_full", "pruned_ms", "compact_over_pruned",
-    "working_copy_ms", "compact_attn_ms", "lse_sketch_ms", "full_bytes", "compact_bytes", "working_copy_bytes",
+    "inputs_ms", "compact_attn_ms", "expanded_ms", "expanded_over_compact", "full_bytes", "compact_bytes", "expanded_bytes",
     "kvpress_pruned_bytes", "kvpress_masked_bytes", "repeats", "threads", "command", "date", "package_version", "machine",
 ]
 
@@ -73,28 +75,21 @@ def median_ms(fn, reset, repeats: int, warmup: int) -> float:
     return 1e3 * median_seconds(fn, repeats, warmup, reset)
 
 
-def lse_sketch(q: torch.Tensor, ck: torch.Tensor, bias: torch.Tensor, cv: torch.Tensor,
-               new_k: torch.Tensor, new_v: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Suggested decode attention (sketch): the padded compact block ``ck, cv [Hkv, t, D]`` and
-    ``bias [Hkv, t]`` (-inf padding) are built once and shared by the batch; the ordinary rows
-    ``new_k, new_v [B, Hkv, A, D]`` are attended separately and both parts are merged with their
-    log-sum-exp. No concatenation, no per-step unpacking, no batch expansion. One query per row.
-    Returns ``[B, 1, Hq, D]`` like the attention functions."""
-    B, Hq, n, D = q.shape
-    Hkv = ck.shape[0]
-    G = Hq // Hkv
-    qf = q.float().reshape(B, Hkv, G * n, D)
-    # compact block: one matmul over the whole batch, [Hkv, B * G * n, t]
-    qc = qf.transpose(0, 1).reshape(Hkv, B * G * n, D)
-    lc = torch.baddbmm(bias[:, None, :], qc, ck.transpose(1, 2), alpha=scaling)
-    ln = torch.matmul(qf, new_k.float().transpose(-1, -2)) * scaling  # [B, Hkv, G n, A]
-    lc = lc.view(Hkv, B, G * n, -1).transpose(0, 1)  # [B, Hkv, G n, t]
-    m = torch.maximum(lc.amax(-1, keepdim=True), ln.amax(-1, keepdim=True))
-    pc, pn = torch.exp(lc - m), torch.exp(ln - m)
-    denom = pc.sum(-1, keepdim=True) + pn.sum(-1, keepdim=True)
-    oc = torch.matmul(pc.transpose(0, 1).reshape(Hkv, B * G * n, -1), cv).view(Hkv, B, G * n, D).transpose(0, 1)
-    out = (oc + torch.matmul(pn, new_v.float())) / denom
-    return out.reshape(B, Hq, n, D).to(q.dtype).transpose(1, 2)
+def expanded_attention(layer, q: torch.Tensor, scaling: float) -> tuple[torch.Tensor, int]:
+    """The pre-2026-11-25 route, for comparison: the padded compacted block repeated for every
+    sequence and concatenated with the ordinary rows, beta as additive float32 mask, torch SDPA.
+    Returns ``[B, n, Hq, D]`` and the bytes of the per-step copies. One query per sequence."""
+    ck, beta, cv = layer.padded()
+    new_k, new_v = layer._new_k, layer._new_v
+    B, Hq = q.shape[:2]
+    Hkv, t, A = ck.shape[0], ck.shape[1], new_k.shape[2]
+    keys = torch.cat([ck[None].expand(B, -1, -1, -1).to(new_k.dtype), new_k], dim=-2).float()
+    values = torch.cat([cv[None].expand(B, -1, -1, -1).to(new_v.dtype), new_v], dim=-2).float()
+    mask = torch.cat([beta.float(), beta.new_zeros(Hkv, A)], dim=-1)  # [Hkv, t + A]
+    mask = mask.repeat_interleave(Hq // Hkv, dim=0)[None, :, None, :].expand(B, -1, 1, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask, scale=scaling,
+                                                           enable_gqa=True)
+    return out.to(q.dtype).transpose(1, 2), keys.nbytes + values.nbytes + mask.nbytes
 
 
 def bench_case(B: int, T: int, rho: float, dtype_name: str, args, gen: torch.Generator) -> dict:
@@ -146,20 +141,16 @@ def bench_case(B: int, T: int, rho: float, dtype_name: str, args, gen: torch.Gen
     reset = lambda: layer.truncate_appended(A)  # noqa: E731
     compact_ms = median_ms(compact_step, reset, args.repeats, args.warmup)
     layer.update(k1, v1)
-    wk, wv = layer.working_copy()
-    copy_ms = median_ms(layer.working_copy, lambda: None, args.repeats, args.warmup)
-    attn_ms = median_ms(lambda: compact_attention_forward(module, q, wk, wv, None, scaling=scaling),
+    keys, values = layer.attention_inputs()
+    inputs_ms = median_ms(layer.attention_inputs, lambda: None, args.repeats, args.warmup)
+    attn_ms = median_ms(lambda: compact_attention_forward(module, q, keys, values, None, scaling=scaling),
                         lambda: None, args.repeats, args.warmup)
-    reference = compact_attention_forward(module, q, wk, wv, None, scaling=scaling)[0]
-    # the suggested fix: padded block cached once (float32), ordinary rows attended separately
-    ck, beta, cv = (x.float() for x in layer.padded())
-    new_k, new_v = layer._new_k, layer._new_v
-    sketch = lse_sketch(q, ck, beta, cv, new_k, new_v, scaling)
-    err = (sketch.float() - reference.float()).abs().max().item()
-    if err > 2e-2 * max(1.0, reference.float().abs().max().item()):
-        raise AssertionError(f"B={B} T={T} rho={rho}: the LSE sketch disagrees with compact_attention_forward by {err}")
-    sketch_ms = median_ms(lambda: lse_sketch(q, ck, beta, cv, new_k, new_v, scaling), lambda: None,
-                          args.repeats, args.warmup)
+    out = compact_attention_forward(module, q, keys, values, None, scaling=scaling)[0].float()
+    expanded, expanded_bytes = expanded_attention(layer, q, scaling)
+    err = (expanded.float() - out).abs().max().item()
+    if err > 2e-2 * max(1.0, out.abs().max().item()):
+        raise AssertionError(f"B={B} T={T} rho={rho}: the expanded route disagrees with compact_attention_forward by {err}")
+    expanded_ms = median_ms(lambda: expanded_attention(layer, q, scaling), lambda: None, args.repeats, args.warmup)
     reset()
 
     item = torch.finfo(dtype).bits // 8
@@ -171,10 +162,11 @@ def bench_case(B: int, T: int, rho: float, dtype_name: str, args, gen: torch.Gen
         "batch": B, "context": T, "ratio": f"{rho:g}", "t_max": layer.t_max, "appended": A, "dtype": dtype_name,
         "full_ms": f"{full_ms:.3f}", "compact_ms": f"{compact_ms:.3f}", "compact_over_full": f"{compact_ms / full_ms:.3f}",
         "pruned_ms": f"{pruned_ms:.3f}", "compact_over_pruned": f"{compact_ms / pruned_ms:.3f}",
-        "working_copy_ms": f"{copy_ms:.3f}", "compact_attn_ms": f"{attn_ms:.3f}", "lse_sketch_ms": f"{sketch_ms:.3f}",
+        "inputs_ms": f"{inputs_ms:.3f}", "compact_attn_ms": f"{attn_ms:.3f}", "expanded_ms": f"{expanded_ms:.3f}",
+        "expanded_over_compact": f"{expanded_ms / (inputs_ms + attn_ms):.3f}",
         "full_bytes": full.keys.nbytes + full.values.nbytes,
         "compact_bytes": layer.nbytes(),
-        "working_copy_bytes": wk.nbytes + wv.nbytes,
+        "expanded_bytes": expanded_bytes,
         "kvpress_pruned_bytes": B * Hkv * (pruned_rows + A) * row,
         "kvpress_masked_bytes": B * Hkv * (T + A) * row,
         "repeats": args.repeats, "threads": torch.get_num_threads(),
@@ -215,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = run_meta()
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
-    head = (f"{'dtype':>8} {'B':>3} {'T':>6} {'rho':>5} | {'full ms':>8} {'compact':>8} {'ratio':>6} | {'pruned':>7} {'c/p':>5} | {'wcopy':>7} {'attn':>7} "
-            f"{'sketch':>7} | {'full MiB':>9} {'compact':>8} {'wcopy':>7} {'pruned':>7} {'masked':>7}")
+    head = (f"{'dtype':>8} {'B':>3} {'T':>6} {'rho':>5} | {'full ms':>8} {'compact':>8} {'ratio':>6} | {'pruned':>7} {'c/p':>5} | {'inputs':>7} {'attn':>7} "
+            f"{'expand':>7} {'e/c':>5} | {'full MiB':>9} {'compact':>8} {'expand':>7} {'pruned':>7} {'masked':>7}")
     print(head)
     print("-" * len(head))
     for dtype_name, T, B, rho in itertools.product(args.dtypes, args.contexts, args.batch, args.ratios):
@@ -225,19 +217,19 @@ def main(argv: list[str] | None = None) -> int:
         mib = lambda k: r[k] / 2**20  # noqa: E731
         print(f"{dtype_name:>8} {B:>3} {T:>6} {rho:>5g} | {float(r['full_ms']):>8.3f} {float(r['compact_ms']):>8.3f} "
               f"{float(r['compact_over_full']):>6.2f} | {float(r['pruned_ms']):>7.3f} {float(r['compact_over_pruned']):>5.2f} | "
-              f"{float(r['working_copy_ms']):>7.3f} "
-              f"{float(r['compact_attn_ms']):>7.3f} {float(r['lse_sketch_ms']):>7.3f} | "
-              f"{mib('full_bytes'):>9.3f} {mib('compact_bytes'):>8.3f} {mib('working_copy_bytes'):>7.3f} "
+              f"{float(r['inputs_ms']):>7.3f} "
+              f"{float(r['compact_attn_ms']):>7.3f} {float(r['expanded_ms']):>7.3f} {float(r['expanded_over_compact']):>5.2f} | "
+              f"{mib('full_bytes'):>9.3f} {mib('compact_bytes'):>8.3f} {mib('expanded_bytes'):>7.3f} "
               f"{mib('kvpress_pruned_bytes'):>7.3f} {mib('kvpress_masked_bytes'):>7.3f}", flush=True)
     append_rows(args.out, rows, FIELDS)
     print(f"\nwrote {len(rows)} rows to {args.out}")
     print("columns: ratio = compact / full time of one decode step of one layer (update + attention); pruned = the "
           "same step on a plain DynamicLayer of t + A rows (a kvpress-pruned cache of the same size), c/p = compact / "
-          "pruned, the overhead of the bias and the padded copy; wcopy = "
-          "CompactLayer.working_copy alone; attn = compact_attention_forward on a prebuilt copy; sketch = the "
-          "suggested fix (see the module docstring).")
+          "pruned, the price of the bias; inputs = CompactLayer.attention_inputs alone; attn = "
+          "compact_attention_forward on prebuilt inputs; expand = the pre-2026-11-25 route (block copied per "
+          "sequence + SDPA), e/c = expand / (inputs + attn), the speed-up of sharing the block.")
     print("bytes per layer: full = DynamicLayer (B copies of the context); compact = packed CompactLayer (shared "
-          "compact block + B x A ordinary rows); wcopy = the transient padded working copy built at every step; "
+          "compact block + B x A ordinary rows); expand = the per-step copies of the pre-2026-11-25 route; "
           "pruned = kvpress SnapKV / Expected Attention at the same kept fraction; masked = kvpress KVzip "
           "(mask, not removal): the full size.")
     return 0

@@ -115,7 +115,8 @@ def test_identity_default_model(default_model_fp32):
             full = torch.cat([ids, q], 1)
             gen = model.generate(full, past_key_values=identity_cache(dyn), max_new_tokens=6, do_sample=False)
         ref_gen = model.generate(full, max_new_tokens=6, do_sample=False)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    # 30 layers of a different float32 summation order than the model's SDPA kernel: ~3e-5 on logits
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
     assert torch.equal(gen, ref_gen)
 
 
@@ -131,7 +132,7 @@ def test_exact_formula_float64(n):
         new_v = torch.randn(1, 2, m, D, generator=g)
         q = torch.randn(1, Hq, m, D, generator=g)
         keys, values = layer.update(new_k, new_v)
-        assert keys.shape == (1, 2, 7 + 2 + (n if step == 0 else n + 1), D + 2)
+        assert keys.shape == (1, 2, 2 + (n if step == 0 else n + 1), D + 1)
         out, _ = compact_attention_forward(None, q, keys, values, None, scaling=scaling)
         ref = reference_attention(layer, q, scaling)
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -281,3 +282,28 @@ def test_batch_before_any_appended_row():
     kb, vb = ref_layer.update(k[1:2], v[1:2])
     ob, _ = compact_attention_forward(None, q[1:2], kb, vb, None, scaling=0.25)
     torch.testing.assert_close(out[1:2], ob)
+
+
+def test_block_is_shared_views_or_gathered_padding():
+    """Uniform budgets: the attached block is a view of the packed tensors (no copy); per-head
+    lengths: the gathered padding equals unpack_heads with -inf bias on the pads."""
+    uniform = random_layer(lengths=(4, 4), span=8, n_fixed=1)
+    keys, _ = uniform.update(torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16))
+    ck, beta, cv = keys.arckv_block
+    assert ck.data_ptr() == uniform.ck.data_ptr() and cv.data_ptr() == uniform.cv.data_ptr()
+    assert ck.shape == (2, 4, 16) and beta.data_ptr() == uniform.beta.data_ptr()
+    ragged = random_layer(H=3, lengths=(2, 5, 3), span=8, n_fixed=1)
+    keys, values = ragged.update(torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16))
+    assert keys.shape == (1, 3, 2, 17) and torch.all(keys[..., 16] == 0) and values.shape == (1, 3, 2, 16)
+    ck, beta, cv = keys.arckv_block
+    valid = torch.arange(5)[None, :] < ragged.lengths[:, None]
+    assert torch.equal(ck[valid], ragged.ck) and torch.equal(cv[valid], ragged.cv)  # pads: any finite rows
+    assert torch.isfinite(ck).all() and torch.isfinite(cv).all()
+    assert torch.equal(beta, unpack_heads(ragged.beta, ragged.lengths, fill=-math.inf))
+
+
+def test_attention_refuses_keys_without_their_block():
+    layer = random_layer(lengths=(3, 7), span=10, n_fixed=2)
+    keys, values = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+    with pytest.raises(ValueError, match="without their compacted block"):
+        compact_attention_forward(None, torch.randn(1, 4, 1, 16), keys.clone(), values, None)

@@ -1,0 +1,35 @@
+"""scripts/bench_decode.py: a tiny grid runs, checks the shared-block attention against the
+expanded route, writes its rows, and its printed ratios are the CSV's own numbers."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_decode_tiny_grid(tmp_path, capsys):
+    out = tmp_path / "bd.csv"
+    mod = _load()
+    assert mod.main(["--batch", "1", "3", "--contexts", "64", "--ratios", "0.25", "--repeats", "1", "--warmup", "0",
+                     "--dtypes", "float32", "--appended", "5", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert [(r["batch"], r["context"], r["t_max"]) for r in rows] == [("1", "64", "16"), ("3", "64", "16")]
+    for r in rows:
+        ratio = float(r["expanded_ms"]) / (float(r["inputs_ms"]) + float(r["compact_attn_ms"]))
+        assert math.isclose(float(r["expanded_over_compact"]), ratio, rel_tol=0.05)  # of ms rounded to 3 decimals
+        B = int(r["batch"])
+        # bytes: full = B (T + A) rows of K and V; compact = 3 heads x 16 entries (2 D float32 + beta) + B x A rows
+        assert int(r["full_bytes"]) == B * 3 * (64 + 5) * 2 * 64 * 4
+        assert int(r["compact_bytes"]) == 3 * 16 * (2 * 64 * 4 + 4) + B * 3 * 5 * 2 * 64 * 4
+    assert "e/c = expand / (inputs + attn)" in capsys.readouterr().out
