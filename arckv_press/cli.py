@@ -54,13 +54,15 @@ def cmd_compact(args) -> int:
 def cmd_ask(args) -> int:
     from arckv_press.attention import enable_compact_attention
     from arckv_press.cache import CompactCache
-    from arckv_press.generation import answer
+    from arckv_press.generation import answer_many
 
     model, tok = _load(args)
     cache = CompactCache.load(args.cache, model)
     enable_compact_attention(model)
-    for q in args.questions:
-        print(f"Q: {q}\nA: {answer(model, tok, cache, q, args.max_new_tokens, args.answer_prefix)}\n")
+    answers = answer_many(model, tok, cache, args.questions, args.max_new_tokens, args.answer_prefix,
+                          batch_size=args.batch_size)
+    for q, a in zip(args.questions, answers):
+        print(f"Q: {q}\nA: {a}\n")
     return 0
 
 
@@ -126,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("questions", nargs="+")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--answer-prefix", default="")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="questions decoded together (they share the compacted block; default 16)")
     p.set_defaults(func=cmd_ask)
 
     p = sub.add_parser("train-indexer", help="train the value-aware indexer (arguments: see --help of the subcommand)",

@@ -3,7 +3,9 @@
 The question is framed as kvpress's pipeline frames it (``question + suffix``) and continues at
 the positions after the context (the cache's reported sequence length). After answering, the
 tokens appended for this question are removed again, so one compacted context serves many
-questions.
+questions. :func:`answer_many` decodes several questions as one batch: with a compact cache the
+compacted block is shared by the batch (never copied per question), so a batch of questions
+costs little more than one.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 
 from arckv_press.capture import framing_for
 
-__all__ = ["answer", "question_ids"]
+__all__ = ["answer", "answer_many", "question_ids"]
 
 
 def question_ids(tokenizer, question: str, answer_prefix: str = "", use_chat_template: bool | None = None) -> torch.Tensor:
@@ -23,14 +25,24 @@ def question_ids(tokenizer, question: str, answer_prefix: str = "", use_chat_tem
     return torch.tensor([ids], dtype=torch.long)
 
 
-def _appended_state(cache) -> list[int]:
-    return [layer.get_seq_length() for layer in cache.layers]
+# What a layer's update replaces (never mutates in place): DynamicLayer's keys/values, a sliding
+# layer's cumulative_length, a CompactLayer's ordinary rows. Restoring the references undoes any
+# number of appended tokens, a batch expansion and a sliding window's eviction alike.
+_STATE = ("keys", "values", "cumulative_length", "_new_k", "_new_v")
 
 
-def _trim(cache, lengths: list[int]) -> None:
-    for layer, n in zip(cache.layers, lengths):
-        layer.keys = layer.keys[:, :, :n]
-        layer.values = layer.values[:, :, :n]
+def _snapshot(cache) -> list[dict]:
+    return [{a: layer.__dict__[a] for a in _STATE if a in layer.__dict__} for layer in cache.layers]
+
+
+def _restore(cache, snapshot: list[dict]) -> None:
+    for layer, state in zip(cache.layers, snapshot):
+        layer.__dict__.update(state)
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos])
 
 
 @torch.inference_mode()
@@ -51,10 +63,9 @@ def answer(
     full cache report it themselves.
     """
     ids = question_ids(tokenizer, question, answer_prefix, use_chat_template).to(model.device)
-    state = _appended_state(cache)
+    state = _snapshot(cache)
     start = cache.get_seq_length() if context_length is None else context_length
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
+    eos = _eos_ids(model)
     out: list[int] = []
     try:
         pos = torch.arange(start, start + ids.shape[1], device=model.device)[None]
@@ -69,5 +80,82 @@ def answer(
                 input_ids=torch.tensor([[nxt]], device=model.device), past_key_values=cache, position_ids=pos
             ).logits
     finally:
-        _trim(cache, state)
+        _restore(cache, state)
     return tokenizer.decode(out, skip_special_tokens=True)
+
+
+@torch.inference_mode()
+def answer_many(
+    model,
+    tokenizer,
+    cache,
+    questions: list[str],
+    max_new_tokens: int = 32,
+    answer_prefix: str | list[str] = "",
+    use_chat_template: bool | None = None,
+    context_length: int | None = None,
+    batch_size: int = 16,
+) -> list[str]:
+    """Greedy answers to ``questions`` from one prefilled ``cache``, ``batch_size`` at a time.
+
+    Each answer equals :func:`answer` for that question alone (up to float rounding): questions
+    are left-padded after the context, pads are masked, and every question continues at its own
+    positions after the context. ``answer_prefix`` is one prefix for all questions or one per
+    question. The cache is restored (batch 1, no appended tokens) afterwards.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    prefixes = [answer_prefix] * len(questions) if isinstance(answer_prefix, str) else list(answer_prefix)
+    if len(prefixes) != len(questions):
+        raise ValueError(f"got {len(prefixes)} answer prefixes for {len(questions)} questions")
+    answers: list[str] = []
+    for i in range(0, len(questions), batch_size):
+        chunk, chunk_prefixes = questions[i : i + batch_size], prefixes[i : i + batch_size]
+        if len(chunk) == 1:
+            answers.append(answer(model, tokenizer, cache, chunk[0], max_new_tokens, chunk_prefixes[0],
+                                  use_chat_template, context_length))
+        else:
+            answers += _answer_batch(model, tokenizer, cache, chunk, max_new_tokens, chunk_prefixes,
+                                     use_chat_template, context_length)
+    return answers
+
+
+def _answer_batch(model, tokenizer, cache, questions, max_new_tokens, prefixes, use_chat_template,
+                  context_length) -> list[str]:
+    device = model.device
+    rows = [question_ids(tokenizer, q, a, use_chat_template)[0] for q, a in zip(questions, prefixes)]
+    B, L = len(rows), max(len(r) for r in rows)
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(rows[0][-1])
+    ids = torch.full((B, L), pad_id, dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        ids[b, L - len(r) :] = r.to(device)
+    offset = torch.arange(L, device=device)[None, :] - (L - lengths)[:, None]  # < 0 on the left pads
+    cached = cache.get_seq_length()
+    start = cached if context_length is None else context_length
+    mask = torch.cat([torch.ones(B, cached, dtype=torch.long, device=device), (offset >= 0).long()], dim=1)
+    pos = start + offset.clamp(min=0)
+    eos = _eos_ids(model)
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    state = _snapshot(cache)
+    cache.batch_repeat_interleave(B)
+    try:
+        logits = model(input_ids=ids, past_key_values=cache, position_ids=pos, attention_mask=mask,
+                       logits_to_keep=1).logits
+        pos = pos[:, -1:]
+        for _ in range(max_new_tokens):
+            nxt = logits[:, -1].argmax(-1)
+            for b, tok in enumerate(nxt.tolist()):
+                if not done[b]:
+                    done[b] = tok in eos
+                    if not done[b]:
+                        out[b].append(tok)
+            if all(done):
+                break
+            pos = pos + 1
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+            logits = model(input_ids=nxt[:, None], past_key_values=cache, position_ids=pos, attention_mask=mask).logits
+    finally:
+        _restore(cache, state)
+    return [tokenizer.decode(o, skip_special_tokens=True) for o in out]

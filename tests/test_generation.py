@@ -1,0 +1,73 @@
+"""Batched answering (``answer_many``) against one-question-at-a-time ``answer``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arckv_press.api import compact
+from arckv_press.attention import compact_attention
+from arckv_press.generation import answer, answer_many
+from conftest import make_text
+
+QUESTIONS = ["Which river", "What is the word after maple in the text, please", "Why q", "Name one stone"]
+
+
+def _state(cache):
+    return [(layer.get_seq_length(), getattr(layer, "batch_size", 1)) for layer in cache.layers]
+
+
+# initializer ranges at which the random tiny models' answers depend on the question (the defaults
+# give one answer to every question, which could hide a batching error)
+@pytest.mark.parametrize("family, init", [("llama", 0.2), ("gemma3", 0.05)])
+@pytest.mark.parametrize("method, ratio", [("arckv-ha", 0.3), ("am-omp-fast", 0.3), ("arckv-ha", 1.0)])
+def test_answer_many_equals_answer_one_by_one(tiny_model, tiny_tokenizer, family, init, method, ratio):
+    model = tiny_model(family, num_layers=2, initializer_range=init)
+    tok = tiny_tokenizer(chat_template=False)  # no framing after the question: answers follow it
+    model.generation_config.eos_token_id = 2
+    with torch.inference_mode():
+        cache = compact(model, tok, make_text(600, seed=3), method=method, ratio=ratio)
+    before = _state(cache)
+    with compact_attention(model):
+        batched = answer_many(model, tok, cache, QUESTIONS, max_new_tokens=7, batch_size=3)  # batches of 3 and 1
+        assert _state(cache) == before  # restored: batch 1, no appended tokens
+        single = [answer(model, tok, cache, q, 7) for q in QUESTIONS]
+    assert batched == single
+    assert len(set(single)) > 1  # the questions really lead to different answers
+
+
+def test_answer_many_full_cache_and_errors(tiny_model, tiny_tokenizer):
+    """The same on an ordinary DynamicCache (the full-cache baseline), and a bad batch size."""
+    from transformers import DynamicCache
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    model.generation_config.eos_token_id = 2
+    ids = torch.tensor([tok.encode(make_text(300, seed=5))])
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache)
+    assert answer_many(model, tok, cache, QUESTIONS, max_new_tokens=5) == [answer(model, tok, cache, q, 5) for q in QUESTIONS]
+    assert cache.layers[0].keys.shape[0] == 1 and cache.get_seq_length() == ids.shape[1]
+    prefixes = ["A:", "It is", "", "Stone"]
+    assert answer_many(model, tok, cache, QUESTIONS, 5, prefixes, batch_size=3) == [
+        answer(model, tok, cache, q, 5, a) for q, a in zip(QUESTIONS, prefixes)]
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        answer_many(model, tok, cache, QUESTIONS, batch_size=0)
+    with pytest.raises(ValueError, match="2 answer prefixes for 4 questions"):
+        answer_many(model, tok, cache, QUESTIONS, answer_prefix=["a", "b"])
+
+
+@pytest.mark.model
+def test_answer_many_default_model(default_model_fp32):
+    from arckv_press.haystack import NOISE, make_needle, needle_context
+
+    model, tok = default_model_fp32
+    needle = make_needle(seed=0)
+    context = needle_context(tok, NOISE * 200, 600, 0.5, needle)
+    questions = [needle.question, "What is the text mostly about?", "Repeat the first sentence."]
+    with torch.inference_mode():
+        cache = compact(model, tok, context, method="arckv-ha", ratio=0.2)
+    with compact_attention(model):
+        batched = answer_many(model, tok, cache, questions, max_new_tokens=12)
+        single = [answer(model, tok, cache, q, 12) for q in questions]
+    assert batched == single
