@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-__all__ = ["CompactLayer", "CompactCache", "cache_nbytes", "pack_heads", "unpack_heads"]
+__all__ = ["CompactLayer", "CompactCache", "cache_nbytes", "cache_snapshot", "pack_heads", "restore_cache", "unpack_heads"]
 
 _FORMAT_VERSION = 1
 
@@ -333,6 +333,23 @@ def cache_nbytes(cache: Cache) -> int:
         elif layer.is_initialized and layer.keys is not None:
             total += layer.keys.nbytes + layer.values.nbytes
     return total
+
+
+# What a layer's update *replaces* (never mutates in place): DynamicLayer's keys / values, a
+# sliding-window layer's cumulative_length, a CompactLayer's ordinary rows. Holding references to
+# them undoes any number of appended tokens, a batch expansion and a sliding window's eviction.
+_LAYER_STATE = ("keys", "values", "cumulative_length", "_new_k", "_new_v")
+
+
+def cache_snapshot(cache: Cache) -> list[dict]:
+    """References (no copies) to each layer's replaceable state, for :func:`restore_cache`."""
+    return [{a: layer.__dict__[a] for a in _LAYER_STATE if a in layer.__dict__} for layer in cache.layers]
+
+
+def restore_cache(cache: Cache, snapshot: list[dict]) -> None:
+    """Put ``cache`` back in the state :func:`cache_snapshot` recorded (e.g. after a question)."""
+    for layer, state in zip(cache.layers, snapshot):
+        layer.__dict__.update(state)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from arckv_press.cache import cache_snapshot, restore_cache
 from arckv_press.capture import framing_for
 
 __all__ = ["answer", "answer_many", "question_ids"]
@@ -23,21 +24,6 @@ def question_ids(tokenizer, question: str, answer_prefix: str = "", use_chat_tem
     ids = tokenizer.encode(question, add_special_tokens=False) + framing.suffix_ids
     ids += tokenizer.encode(answer_prefix, add_special_tokens=False) if answer_prefix else []
     return torch.tensor([ids], dtype=torch.long)
-
-
-# What a layer's update replaces (never mutates in place): DynamicLayer's keys/values, a sliding
-# layer's cumulative_length, a CompactLayer's ordinary rows. Restoring the references undoes any
-# number of appended tokens, a batch expansion and a sliding window's eviction alike.
-_STATE = ("keys", "values", "cumulative_length", "_new_k", "_new_v")
-
-
-def _snapshot(cache) -> list[dict]:
-    return [{a: layer.__dict__[a] for a in _STATE if a in layer.__dict__} for layer in cache.layers]
-
-
-def _restore(cache, snapshot: list[dict]) -> None:
-    for layer, state in zip(cache.layers, snapshot):
-        layer.__dict__.update(state)
 
 
 def _eos_ids(model) -> set[int]:
@@ -63,7 +49,7 @@ def answer(
     full cache report it themselves.
     """
     ids = question_ids(tokenizer, question, answer_prefix, use_chat_template).to(model.device)
-    state = _snapshot(cache)
+    state = cache_snapshot(cache)
     start = cache.get_seq_length() if context_length is None else context_length
     eos = _eos_ids(model)
     out: list[int] = []
@@ -80,7 +66,7 @@ def answer(
                 input_ids=torch.tensor([[nxt]], device=model.device), past_key_values=cache, position_ids=pos
             ).logits
     finally:
-        _restore(cache, state)
+        restore_cache(cache, state)
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
@@ -138,7 +124,7 @@ def _answer_batch(model, tokenizer, cache, questions, max_new_tokens, prefixes, 
     eos = _eos_ids(model)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
-    state = _snapshot(cache)
+    state = cache_snapshot(cache)
     cache.batch_repeat_interleave(B)
     try:
         logits = model(input_ids=ids, past_key_values=cache, position_ids=pos, attention_mask=mask,
@@ -157,5 +143,5 @@ def _answer_batch(model, tokenizer, cache, questions, max_new_tokens, prefixes, 
             mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
             logits = model(input_ids=nxt[:, None], past_key_values=cache, position_ids=pos, attention_mask=mask).logits
     finally:
-        _restore(cache, state)
+        restore_cache(cache, state)
     return [tokenizer.decode(o, skip_special_tokens=True) for o in out]

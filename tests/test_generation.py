@@ -71,3 +71,22 @@ def test_answer_many_default_model(default_model_fp32):
         batched = answer_many(model, tok, cache, questions, max_new_tokens=12)
         single = [answer(model, tok, cache, q, 12) for q in questions]
     assert batched == single
+
+
+def test_reused_cache_answers_as_a_fresh_one_with_sliding_layers(tiny_model, tiny_tokenizer):
+    """Gemma-3's sliding-window layers evict context rows while a question is appended; answering
+    must restore them, so a question asked after others gets the answer of a fresh cache."""
+    model = tiny_model("gemma3", num_layers=2, initializer_range=0.05, sliding_window=32)
+    tok = tiny_tokenizer(chat_template=False)
+    model.generation_config.eos_token_id = 2
+    text = make_text(600, seed=3)
+    with torch.inference_mode():
+        reused = compact(model, tok, text, method="arckv-ha", ratio=0.3)
+        with compact_attention(model):
+            for q in QUESTIONS[:3]:
+                answer(model, tok, reused, q, 7)
+            late = answer(model, tok, reused, QUESTIONS[3], 7)
+            fresh = answer(model, tok, compact(model, tok, text, method="arckv-ha", ratio=0.3), QUESTIONS[3], 7)
+    sliding = [layer for layer in reused.layers if getattr(layer, "is_sliding", False)]
+    assert sliding and sliding[0].keys.shape[2] < reused.get_seq_length()  # the window really evicts
+    assert late == fresh

@@ -89,6 +89,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
+from arckv_press.cache import cache_snapshot, restore_cache
 from arckv_press.lm_eval import MODEL_NAME
 
 logger = logging.getLogger(__name__)
@@ -233,29 +234,6 @@ def _attention_modules(model) -> list[torch.nn.Module]:
     from arckv_press.capture import decoder_layers
 
     return [layer.self_attn for layer in decoder_layers(model)]
-
-
-def _cache_state(cache) -> list[tuple]:
-    """What :func:`_restore_cache` needs to undo tokens appended after this point."""
-    from arckv_press.cache import CompactLayer
-
-    state = []
-    for layer in cache.layers:
-        if isinstance(layer, CompactLayer):
-            state.append(("compact", layer.num_appended))
-        else:  # updates concatenate into new tensors, so these references stay valid
-            state.append(("dynamic", layer.keys, layer.values, getattr(layer, "cumulative_length", None)))
-    return state
-
-
-def _restore_cache(cache, state: list[tuple]) -> None:
-    for layer, saved in zip(cache.layers, state):
-        if saved[0] == "compact":
-            layer.truncate_appended(saved[1])
-        else:
-            layer.keys, layer.values = saved[1], saved[2]
-            if saved[3] is not None:
-                layer.cumulative_length = saved[3]
 
 
 def _layer_bytes(layer) -> int:
@@ -543,7 +521,7 @@ class HFArcKV(HFLM):
             realised_ratio=realised,
         )
         self._n_compactions += 1
-        return _DocEntry(req.key, cache, _cache_state(cache), req.doc_end, masked, record)
+        return _DocEntry(req.key, cache, cache_snapshot(cache), req.doc_end, masked, record)
 
     @staticmethod
     def _kept_fraction(cache, n_tokens: int, masked: list[Any] | None) -> float:
@@ -702,7 +680,7 @@ class HFArcKV(HFLM):
             with torch.inference_mode():
                 return self._forward_rest(entry, rest, n_cont)
         finally:
-            _restore_cache(entry.cache, entry.state)
+            restore_cache(entry.cache, entry.state)
 
     # ------------------------------------------------------------------ generation
     def generate_until(self, requests, disable_tqdm: bool = False):
@@ -788,7 +766,7 @@ class HFArcKV(HFLM):
                     logits = self.model(input_ids=ids, past_key_values=entry.cache, position_ids=pos, use_cache=True).logits[0]
                     position += 1
         finally:
-            _restore_cache(entry.cache, entry.state)
+            restore_cache(entry.cache, entry.state)
         return out
 
     def _postprocess(self, tokens: list[int], until: list[str]) -> str:
