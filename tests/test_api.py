@@ -441,3 +441,23 @@ def test_compact_builds_no_autograd_graph(tiny_model, tiny_tokenizer):
     for layer in cache.compact_layers:
         for x in (*layer.padded(), layer._new_k, layer._new_v, layer.beta):
             assert x.grad_fn is None and not x.requires_grad
+
+
+def test_min_head_fraction_floors_global_budgets(tiny_model, tiny_tokenizer):
+    """Global allocation with a floor: every head keeps floor(f * ratio * T) anchors, the total
+    stays L * H * floor(ratio * T); f = 1 is the uniform allocation; f outside [0, 1] is refused."""
+    model, tok = tiny_model("llama", num_layers=3), tiny_tokenizer()
+    text = make_text(200, seed=11)
+    with torch.no_grad():
+        lengths = {f: torch.stack([layer.lengths for layer in compact(
+            model, tok, text, "arckv-ha", 0.2, query_budget=40, min_head_fraction=f).compact_layers])
+            for f in (0.0, 0.5, 1.0)}
+    T = compact(model, tok, text, "arckv-ha", 1.0, query_budget=40).compact_layers[0].span
+    per_head = math.floor(0.2 * T)
+    for f, got in lengths.items():
+        assert int(got.sum()) == got.numel() * per_head
+        assert int(got.min()) >= max(1, math.floor(f * per_head))
+    assert int(lengths[0.0].min()) < math.floor(0.5 * per_head)  # the floor really binds here
+    assert torch.equal(lengths[1.0], torch.full_like(lengths[1.0], per_head))
+    with pytest.raises(ValueError, match="min_head_fraction must be in"):
+        compact(model, tok, text, "arckv-ha", 0.2, min_head_fraction=1.5)
