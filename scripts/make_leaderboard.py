@@ -44,6 +44,7 @@ import csv
 import datetime as dt
 import glob
 import json
+import math
 import re
 import shlex
 import sys
@@ -439,7 +440,7 @@ def plot_probes(path: Path, out_dir: Path) -> Path | None:
               + (f" [{r['indexer'][:6]}]" if r.get("indexer") else "") for r in rows]  # one bar per checkpoint
     damage = [_num(r.get("damage")) or 0.0 for r in rows]
     found = [
-        (_num(r.get("needle_found")) or 0.0) / t if (t := _num(r.get("needle_total"))) else 0.0 for r in rows
+        (_num(r.get("needle_found")) or 0.0) / t if (t := _num(r.get("needle_total"))) else math.nan for r in rows
     ]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, vals, title in zip(axes, (damage, found), ("damage (lower is better)", "needle fraction found")):

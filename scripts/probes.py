@@ -91,6 +91,16 @@ def parse_config(text: str) -> tuple[str, dict]:
     return method, options
 
 
+def done_keys(rows) -> set[tuple]:
+    """``(config, ratio, dtype, indexer, with_needles)`` of the finished rows of a probes CSV."""
+    return {(r["config"], float(r["ratio"]), r["dtype"], r["indexer"], r["needle_total"] not in ("", "0")) for r in rows}
+
+
+def is_done(done: set[tuple], key: tuple, no_needles: bool) -> bool:
+    """A full probe is done only by a row with needles; a damage-only run (``--no-needles``) by either."""
+    return (*key, True) in done or (no_needles and (*key, False) in done)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=["arckv-ha", "arckv-ha:ctx=0.5", "arckv-ha:ctx=1",
@@ -108,6 +118,9 @@ def main(argv=None) -> int:
                    help="model dtype (default float32: on CPUs without native bf16, bf16 runs several times slower)")
     p.add_argument("--out", default="leaderboards/probes.csv")
     p.add_argument("--quick", action="store_true", help="2 needles, 1 document, ratio 0.2, three configs")
+    p.add_argument("--no-needles", action="store_true",
+                   help="continuation damage only (needle columns left empty; such a row does not count as a "
+                        "finished probe for a later run with needles)")
     args = p.parse_args(argv)
     if args.quick:
         args.configs, args.ratios, args.depths, args.seeds, args.docs = ["arckv-ha", "snapkv", "kvzip"], [0.2], [0.5], [0, 1], 1
@@ -123,7 +136,7 @@ def main(argv=None) -> int:
             reader = csv.DictReader(f)
             if reader.fieldnames != FIELDS:
                 raise SystemExit(f"{out} has columns {reader.fieldnames}, expected {FIELDS}; write to another --out")
-            done = {(r["config"], float(r["ratio"]), r["dtype"], r["indexer"]) for r in reader}
+            done = done_keys(reader)
     model, tok = load_model(dtype=args.dtype)
     mid = model_id(model)
     haystack = load_haystack(None)
@@ -139,23 +152,27 @@ def main(argv=None) -> int:
             method, options = parse_config(config)
             for ratio in args.ratios:
                 ident = indexer_id(method, mid, options.get("indexer"))  # a new checkpoint reruns arckv
-                if (config, ratio, args.dtype, ident) in done:
+                if is_done(done, (config, ratio, args.dtype, ident), args.no_needles):
                     print(f"skip {config} @ {ratio} {args.dtype} (done)")
                     continue
                 factory = lambda: make_press(method, ratio, **options)  # noqa: E731
                 t0 = time.perf_counter()
-                needle, _ = needle_probe(model, tok, factory, haystack, args.needle_tokens, args.depths, args.seeds)
+                needle = None
+                if not args.no_needles:
+                    needle, _ = needle_probe(model, tok, factory, haystack, args.needle_tokens, args.depths, args.seeds)
                 cont, _ = continuation_probe(model, tok, factory, documents, references)
+                n_needles = needle.count if needle else 0
                 row = {
                     "config": config, "method": method, "ratio": ratio, "dtype": args.dtype, "indexer": ident, "options": json.dumps(options, default=_jsonable),
-                    "needle_found": round(needle.value * needle.count), "needle_total": needle.count,
+                    "needle_found": round(needle.value * needle.count) if needle else "", "needle_total": n_needles,
                     "damage": round(cont.value, 4), "damage_docs": cont.count,
-                    "compaction_seconds": round((needle.seconds + cont.seconds) / (needle.count + len(documents)), 2),
+                    "compaction_seconds": round(((needle.seconds if needle else 0.0) + cont.seconds)
+                                                / (n_needles + len(documents)), 2),
                     "date": time.strftime("%Y-%m-%d"), "version": __version__, "command": command,
                 }
                 writer.writerow(row)
                 f.flush()
-                print(f"{config:<24} keep {ratio:<5} needles {row['needle_found']}/{row['needle_total']}  "
+                print(f"{config:<24} keep {ratio:<5} needles {row['needle_found'] if needle else '-'}/{n_needles}  "
                       f"damage {row['damage']:+.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     return 0
 

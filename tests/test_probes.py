@@ -124,6 +124,21 @@ def test_probe_config_parsing_builds_press_options():
     assert make_press("arckv-ha", 0.2).compaction_config().fit_witnesses is True
     with pytest.raises(ValueError, match="wit= takes 0 or 1"):
         mod.parse_config("arckv-ha:wit=yes")
+    method, options = mod.parse_config("arckv-ha:floor=0.5")
+    assert make_press(method, 0.1, **options).compaction_config().min_head_fraction == 0.5
+
+
+def test_probes_resume_keys_tell_damage_only_rows_apart():
+    """A ``--no-needles`` row does not finish a full probe; a full row finishes both kinds."""
+    mod = load_script("probes")
+    rows = [{"config": "a", "ratio": "0.1", "dtype": "float32", "indexer": "", "needle_total": "0"},
+            {"config": "b", "ratio": "0.1", "dtype": "float32", "indexer": "", "needle_total": "6"}]
+    done = mod.done_keys(rows)
+    assert not mod.is_done(done, ("a", 0.1, "float32", ""), no_needles=False)
+    assert mod.is_done(done, ("a", 0.1, "float32", ""), no_needles=True)
+    assert mod.is_done(done, ("b", 0.1, "float32", ""), no_needles=False)
+    assert mod.is_done(done, ("b", 0.1, "float32", ""), no_needles=True)
+    assert not mod.is_done(done, ("b", 0.2, "float32", ""), no_needles=True)
 
 
 @pytest.mark.parametrize("column", ["dtype", "indexer"])
