@@ -44,11 +44,15 @@ def compact_attention_forward(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
     dropout: float = 0.0,
+    scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention over a compacted block plus ordinary rows (paper Eq. (compact_attention)).
+
+    The parameters follow transformers' attention functions (``dropout`` before ``scaling``), so
+    wrappers that pass ``dropout`` positionally (kvpress patches every registered attention
+    function that way when it is imported) reach the right parameter.
 
     Shapes: query ``[B, Hq, n, D]``; key ``[B, Hkv, A, D + 1]`` (ordinary rows and a marker
     channel) carrying ``key.arckv_block = (C_k [Hkv, t, D], beta [Hkv, t], C_v [Hkv, t, D])``

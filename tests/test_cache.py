@@ -307,3 +307,17 @@ def test_attention_refuses_keys_without_their_block():
     keys, values = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
     with pytest.raises(ValueError, match="without their compacted block"):
         compact_attention_forward(None, torch.randn(1, 4, 1, 16), keys.clone(), values, None)
+
+
+def test_attention_survives_kvpress_wrapper_with_positional_dropout():
+    """kvpress wraps every registered attention function (also ours, when kvpress is imported
+    after our registration) and passes ``dropout`` positionally; the result must not change."""
+    from kvpress.attention_patch import attention_patch
+
+    layer = random_layer(lengths=(3, 7), span=10, n_fixed=2)
+    keys, values = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+    q = torch.randn(1, 4, 1, 16)
+    wrapped = attention_patch(compact_attention_forward)
+    out, _ = wrapped(torch.nn.Module(), q, keys, values, None, 0.0, scaling=0.25)
+    ref, _ = compact_attention_forward(None, q, keys, values, None, scaling=0.25)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
