@@ -71,11 +71,12 @@ class CompactionConfig:
             planted 7-digit needle is lost at keep 20%; ``"all"`` + ``"global"`` keeps them.
             Attention Matching methods ignore both options (uniform budgets, as its code).
         min_head_fraction: with ``allocation="global"``, every layer--KV head first keeps this
-            fraction of its uniform budget ``floor(ratio T)`` (at least 1 anchor) and only the rest
-            is allocated by the global top-k; 0 (default) = fully global, 1 = uniform. Measured on
-            the default model (README, "Continuation fidelity"): fully global budgets starve
-            diffuse heads at low kept fractions (continuation damage 1.16 at keep 2%, 0.45 with
-            uniform budgets).
+            fraction of its uniform budget, ``floor(min_head_fraction * ratio * T)`` anchors (at
+            least 1), and only the rest is allocated by the global top-k
+            (:func:`~arckv_press.compaction.select.global_budgets`'s ``min_fraction``); 0 (default)
+            = fully global, 1 = uniform. Measured on the default model (README, "Continuation
+            fidelity"): fully global budgets starve diffuse heads at low kept fractions
+            (continuation damage 1.16 at keep 2%, 0.45 with uniform budgets).
         fit_witnesses: with ``score_queries="all"``, the fits (and key merging) use the
             ``query_budget`` rows plus every anchor's witness query, the captured row that attends
             to it most (:mod:`arckv_press.compaction.witness`). Measured on the default model
@@ -328,9 +329,8 @@ def compact_prefilled(
     if scored and config.allocation == "global":
         t0 = time.perf_counter()
         scores = {layer_idx: layer_scores(layer_idx) for layer_idx in layers}
-        stacked = torch.stack([scores[i].float() for i in layers])
-        floor = max(1, math.floor(config.min_head_fraction * config.ratio * stacked.shape[-1] + 1e-9))
-        budgets = global_budgets(stacked, config.ratio, min_per_head=min(floor, stacked.shape[-1]))
+        budgets = global_budgets(torch.stack([scores[i].float() for i in layers]), config.ratio,
+                                 min_fraction=config.min_head_fraction)
         timings["selection"] = time.perf_counter() - t0
 
     n_rows = 0

@@ -19,7 +19,7 @@ pipeline). The attention itself only ever sees the rows actually stored.
 How a layer talks to the attention function: :meth:`CompactLayer.update` returns the ordinary
 rows only, keys ``[B, H, A, D + 1]`` with one extra zero channel that marks them as a compact
 layer's rows, and attaches the compacted block to that key tensor as attribute ``arckv_block``
-(:meth:`CompactLayer.block`: ``C_k, beta, C_v`` padded to ``[H, t_max, ...]``, views when every
+(:meth:`CompactLayer.padded`: ``C_k, beta, C_v`` padded to ``[H, t_max, ...]``, views when every
 head holds the same number of entries). The attention function registered in
 :mod:`arckv_press.attention` attends to the block once for the whole batch and to the ordinary
 rows per sequence, so no step copies the compacted block per sequence. The marker channel makes

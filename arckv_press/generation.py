@@ -26,11 +26,6 @@ def question_ids(tokenizer, question: str, answer_prefix: str = "", use_chat_tem
     return torch.tensor([ids], dtype=torch.long)
 
 
-def _eos_ids(model) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos])
-
-
 @torch.inference_mode()
 def answer(
     model,
@@ -48,26 +43,8 @@ def answer(
     kvpress's evicting presses, whose caches are shorter than the context; a compact cache and a
     full cache report it themselves.
     """
-    ids = question_ids(tokenizer, question, answer_prefix, use_chat_template).to(model.device)
-    state = cache_snapshot(cache)
-    start = cache.get_seq_length() if context_length is None else context_length
-    eos = _eos_ids(model)
-    out: list[int] = []
-    try:
-        pos = torch.arange(start, start + ids.shape[1], device=model.device)[None]
-        logits = model(input_ids=ids, past_key_values=cache, position_ids=pos, logits_to_keep=1).logits
-        for _ in range(max_new_tokens):
-            nxt = int(logits[0, -1].argmax())
-            if nxt in eos:
-                break
-            out.append(nxt)
-            pos = pos[:, -1:] + 1
-            logits = model(
-                input_ids=torch.tensor([[nxt]], device=model.device), past_key_values=cache, position_ids=pos
-            ).logits
-    finally:
-        restore_cache(cache, state)
-    return tokenizer.decode(out, skip_special_tokens=True)
+    return _greedy(model, tokenizer, cache, [question], max_new_tokens, [answer_prefix], use_chat_template,
+                   context_length)[0]
 
 
 @torch.inference_mode()
@@ -96,18 +73,18 @@ def answer_many(
         raise ValueError(f"got {len(prefixes)} answer prefixes for {len(questions)} questions")
     answers: list[str] = []
     for i in range(0, len(questions), batch_size):
-        chunk, chunk_prefixes = questions[i : i + batch_size], prefixes[i : i + batch_size]
-        if len(chunk) == 1:
-            answers.append(answer(model, tokenizer, cache, chunk[0], max_new_tokens, chunk_prefixes[0],
-                                  use_chat_template, context_length))
-        else:
-            answers += _answer_batch(model, tokenizer, cache, chunk, max_new_tokens, chunk_prefixes,
-                                     use_chat_template, context_length)
+        answers += _greedy(model, tokenizer, cache, questions[i : i + batch_size], max_new_tokens,
+                           prefixes[i : i + batch_size], use_chat_template, context_length)
     return answers
 
 
-def _answer_batch(model, tokenizer, cache, questions, max_new_tokens, prefixes, use_chat_template,
-                  context_length) -> list[str]:
+def _greedy(model, tokenizer, cache, questions, max_new_tokens, prefixes, use_chat_template,
+            context_length) -> list[str]:
+    """Greedy answers to ``B >= 1`` questions decoded together; the cache is restored afterwards.
+
+    Questions of different lengths are left-padded after the context and the pads masked; with
+    one question (or equal lengths) no mask is passed, as for an ordinary forward.
+    """
     device = model.device
     rows = [question_ids(tokenizer, q, a, use_chat_template)[0] for q, a in zip(questions, prefixes)]
     B, L = len(rows), max(len(r) for r in rows)
@@ -119,13 +96,17 @@ def _answer_batch(model, tokenizer, cache, questions, max_new_tokens, prefixes, 
     offset = torch.arange(L, device=device)[None, :] - (L - lengths)[:, None]  # < 0 on the left pads
     cached = cache.get_seq_length()
     start = cached if context_length is None else context_length
-    mask = torch.cat([torch.ones(B, cached, dtype=torch.long, device=device), (offset >= 0).long()], dim=1)
+    mask = None
+    if bool((offset < 0).any()):
+        mask = torch.cat([torch.ones(B, cached, dtype=torch.long, device=device), (offset >= 0).long()], dim=1)
     pos = start + offset.clamp(min=0)
-    eos = _eos_ids(model)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     state = cache_snapshot(cache)
-    cache.batch_repeat_interleave(B)
+    if B > 1:
+        cache.batch_repeat_interleave(B)
     try:
         logits = model(input_ids=ids, past_key_values=cache, position_ids=pos, attention_mask=mask,
                        logits_to_keep=1).logits
@@ -140,7 +121,8 @@ def _answer_batch(model, tokenizer, cache, questions, max_new_tokens, prefixes, 
             if all(done):
                 break
             pos = pos + 1
-            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
             logits = model(input_ids=nxt[:, None], past_key_values=cache, position_ids=pos, attention_mask=mask).logits
     finally:
         restore_cache(cache, state)

@@ -334,6 +334,11 @@ def test_global_budgets_match_brute_force(seed):
         assert torch.equal(got, _global_budgets_brute(scores, ratio, m)), (ratio, m)
         assert int(got.sum()) == L * H * max(m, math.floor(ratio * T)) and bool((got >= m).all()) and bool((got <= T).all())
     assert global_budgets(scores, 0.2)[1, 0] > math.floor(0.2 * T)
+    # min_fraction is min_per_head = floor(f * ratio * T) (the brute force with that floor)
+    for ratio, f in ((0.5, 0.5), (0.5, 1.0), (0.2, 0.5)):
+        floor = max(1, math.floor(f * ratio * T))
+        assert torch.equal(global_budgets(scores, ratio, min_fraction=f), _global_budgets_brute(scores, ratio, floor))
+    assert torch.equal(global_budgets(scores, 0.5, min_fraction=1.0), torch.full((L, H), math.floor(0.5 * T)))
 
 
 def test_global_budgets_errors():
@@ -345,5 +350,7 @@ def test_global_budgets_errors():
         global_budgets(torch.full((1, 1, 5), float("nan")), 0.5)
     with pytest.raises(ValueError, match="min_per_head"):
         global_budgets(torch.rand(1, 1, 5), 0.5, min_per_head=6)
+    with pytest.raises(ValueError, match="min_fraction must be in"):
+        global_budgets(torch.rand(1, 1, 5), 0.5, min_fraction=-0.1)
     with pytest.raises(ValueError, match="3"):
         global_budgets(torch.rand(2, 5), 0.5)

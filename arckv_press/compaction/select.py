@@ -349,7 +349,7 @@ def per_head_budgets(
     return t.to(device)
 
 
-def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1) -> torch.Tensor:
+def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1, min_fraction: float = 0.0) -> torch.Tensor:
     """Per layer--KV-head budgets ``[L, H]`` from one global top-k over all heads' scores.
 
     Context-adaptive alternative to the fixed weights of Eq. (per_head_budget) (the allocation
@@ -366,6 +366,8 @@ def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1) ->
         scores: ``[L, H, T]`` finite, nonnegative scores.
         ratio: kept fraction in (0, 1].
         min_per_head: anchors every head keeps (1 <= min_per_head <= T).
+        min_fraction: raises that floor to ``floor(min_fraction * ratio * T)`` (in [0, 1]; 1 gives
+            every head the uniform budget, 0 leaves ``min_per_head``).
     """
     _check_float(scores, "scores", 3)
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
@@ -376,6 +378,9 @@ def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1) ->
     _check_positive_int(T, "T")
     if not 1 <= min_per_head <= T:
         raise ValueError(f"min_per_head must be in [1, T={T}], got {min_per_head}")
+    if not 0.0 <= min_fraction <= 1.0:
+        raise ValueError(f"min_fraction must be in [0, 1], got {min_fraction}")
+    min_per_head = min(T, max(min_per_head, math.floor(min_fraction * ratio * T + _BUDGET_EPS)))
     per_head = max(min_per_head, math.floor(ratio * T + _BUDGET_EPS))
     total = L * H * per_head
     flat = scores.detach().reshape(L * H, T).double()

@@ -89,7 +89,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
-from arckv_press.cache import cache_snapshot, restore_cache
+from arckv_press.cache import cache_nbytes, cache_snapshot, restore_cache
 from arckv_press.lm_eval import MODEL_NAME
 
 logger = logging.getLogger(__name__)
@@ -234,16 +234,6 @@ def _attention_modules(model) -> list[torch.nn.Module]:
     from arckv_press.capture import decoder_layers
 
     return [layer.self_attn for layer in decoder_layers(model)]
-
-
-def _layer_bytes(layer) -> int:
-    from arckv_press.cache import CompactLayer
-
-    if isinstance(layer, CompactLayer):
-        return layer.nbytes()
-    if getattr(layer, "keys", None) is None:
-        return 0
-    return layer.keys.nbytes + layer.values.nbytes
 
 
 @dataclass
@@ -501,7 +491,7 @@ class HFArcKV(HFLM):
         seconds = time.perf_counter() - t0
 
         layout = describe_attention_layout(model)
-        cache_bytes = sum(_layer_bytes(layer) for layer in cache.layers)
+        cache_bytes = cache_nbytes(cache)
         full_bytes = self._full_bytes(req.doc_end)
         if result is not None:
             compacted_bytes = result.compact_nbytes()
