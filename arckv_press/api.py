@@ -14,6 +14,9 @@ and the verbatim prefix. The same framing is used for the prefill and the repeat
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,7 +34,7 @@ from arckv_press.compaction.layer import AM_VARIANTS, ARCKV_SELECTORS, LayerMeth
 from arckv_press.compaction.reference import group_activations, group_queries_by_kv_head, mix_sources, subsample_rows
 from arckv_press.compaction.select import POOLINGS, global_budgets, per_head_budgets
 
-__all__ = ["CompactionConfig", "compact", "compact_prefilled", "METHODS", "encode_document", "CompactionReport"]
+__all__ = ["CompactionConfig", "config_id", "compact", "compact_prefilled", "METHODS", "encode_document", "CompactionReport"]
 
 METHODS = tuple(ARCKV_SELECTORS) + tuple(AM_VARIANTS)
 
@@ -73,10 +76,11 @@ class CompactionConfig:
         min_head_fraction: with ``allocation="global"``, every layer--KV head first keeps this
             fraction of its uniform budget, ``floor(min_head_fraction * ratio * T)`` anchors (at
             least 1), and only the rest is allocated by the global top-k
-            (:func:`~arckv_press.compaction.select.global_budgets`'s ``min_fraction``); 0 (default)
-            = fully global, 1 = uniform. Measured on the default model (README, "Continuation
-            fidelity"): fully global budgets starve diffuse heads at low kept fractions
-            (continuation damage 1.16 at keep 2%, 0.45 with uniform budgets).
+            (:func:`~arckv_press.compaction.select.global_budgets`'s ``min_fraction``); 0 = fully
+            global, 1 = uniform, 0.5 the default. Measured on the default model (README,
+            "Continuation fidelity"): fully global budgets starve diffuse heads at low kept
+            fractions (continuation damage 1.16 at keep 2%, 0.52 with the 0.5 floor, 0.45 with
+            uniform budgets), while fixed budgets lose planted needles (see ``allocation``).
         fit_witnesses: with ``score_queries="all"``, the fits (and key merging) use the
             ``query_budget`` rows plus every anchor's witness query, the captured row that attends
             to it most (:mod:`arckv_press.compaction.witness`). Measured on the default model
@@ -103,7 +107,7 @@ class CompactionConfig:
     on_policy: bool = False
     score_queries: str = "all"
     allocation: str = "global"
-    min_head_fraction: float = 0.0
+    min_head_fraction: float = 0.5
     fit_witnesses: bool = True
 
     def __post_init__(self) -> None:
@@ -132,6 +136,39 @@ class CompactionConfig:
     def layer_method(self) -> LayerMethod:
         return LayerMethod(self.method, self.lambda_m, self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
                            fit_witnesses=self.fit_witnesses)
+
+
+_RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")  # never change a result (the indexer has its own id)
+_ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation", "min_head_fraction", "fit_witnesses")
+
+
+def _canonical(value):
+    """A JSON-able, content-based stand-in for one config value (tensors and weight files by content)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu", torch.float64).contiguous()
+        return "tensor:" + hashlib.sha256(str(tuple(t.shape)).encode() + t.numpy().tobytes()).hexdigest()[:16]
+    if isinstance(value, (str, Path)) and Path(value).is_file():
+        return "file:" + hashlib.sha256(Path(value).read_bytes()).hexdigest()[:16]
+    if isinstance(value, float):
+        return repr(value)
+    return value if value is None or isinstance(value, (bool, int, str)) else repr(value)
+
+
+def config_id(config: CompactionConfig) -> str:
+    """Short content id (12 hex digits) of the options that shape a compaction's result.
+
+    Covers every :class:`CompactionConfig` field (and :class:`FitConfig`) except the kept fraction,
+    progress bars, ``min_length`` (it only refuses inputs) and the indexer (which has its own id,
+    :func:`arckv_press.indexer.checkpoint.checkpoint_id`); for Attention Matching methods also
+    except the ARC-KV-only options they ignore (merging, budgets, witnesses). Benchmark rows store
+    it, so a result made under other defaults (say a new ``min_head_fraction``) is never taken for
+    a current one, while unrelated default changes leave the other methods' rows valid.
+    """
+    skip = set(_RUN_ONLY_FIELDS) | (set(_ARCKV_ONLY_FIELDS) if config.method in AM_VARIANTS else set())
+    options = {f.name: _canonical(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in skip}
+    return hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass

@@ -28,7 +28,8 @@ from transformers import DynamicCache
 
 from arckv_press.presses import ARCKVPress, AttentionMatchingPress, kept_to_compression, resolve_kept_ratio
 
-__all__ = ["METHODS", "METHOD_NAMES", "MethodSpec", "make_press", "describe_methods", "prefill_with_press", "indexer_id"]
+__all__ = ["METHODS", "METHOD_NAMES", "MethodSpec", "make_press", "describe_methods", "prefill_with_press", "indexer_id",
+           "method_config_id", "result_ids"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,28 @@ def indexer_id(name: str, model_id: str, indexer: Any = None) -> str:
         return "in-memory"
     path = indexer if indexer is not None else default_indexer_path(model_id)
     return "" if path is None else checkpoint_id(path)
+
+
+def method_config_id(name: str, **options: Any) -> str:
+    """:func:`arckv_press.api.config_id` of method ``name``'s compaction options (press defaults plus
+    ``options``), the same at every kept fraction; ``""`` for kvpress presses and ``none``.
+
+    Results store it next to :func:`indexer_id`, so that after a default changes (say
+    ``min_head_fraction``) resumed runs redo the affected methods instead of mixing configurations.
+    """
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_NAMES)}")
+    if METHODS[name].family not in ("arckv", "am"):
+        return ""
+    from arckv_press.api import config_id
+
+    return config_id(make_press(name, 1.0, **options).compaction_config())
+
+
+def result_ids(name: str, model_id: str, **options: Any) -> dict[str, str]:
+    """``{"indexer": indexer_id(...), "config_id": method_config_id(...)}``: what a stored result of
+    method ``name`` (with press ``options``) must match to count as current."""
+    return {"indexer": indexer_id(name, model_id, options.get("indexer")), "config_id": method_config_id(name, **options)}
 
 
 def make_press(name: str, ratio: float, **options: Any) -> BasePress | None:

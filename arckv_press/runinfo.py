@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["command_line", "machine_info", "print_header", "run_meta", "read_rows", "append_rows", "current_indexer_rows"]
+__all__ = ["command_line", "machine_info", "print_header", "run_meta", "read_rows", "append_rows", "is_current", "current_rows"]
 
 
 def command_line(argv: list[str] | None = None) -> str:
@@ -139,15 +139,23 @@ def append_rows(path: str | Path, rows: list[dict], fieldnames: list[str]) -> No
         f.flush()
 
 
-def current_indexer_rows(rows: list[dict], model_id: str) -> list[dict]:
-    """Rows made with the indexer checkpoint each method now uses for ``model_id`` (column
-    ``indexer``, :func:`arckv_press.registry.indexer_id`; methods without one: every row)."""
-    from arckv_press.registry import indexer_id
+def is_current(row: dict, ids: dict[str, str]) -> bool:
+    """Whether a stored result row was made with the indexer checkpoint and compaction options
+    ``ids`` (:func:`arckv_press.registry.result_ids`) that its method uses now. A row without a
+    ``config_id`` column is stale for a method that has one."""
+    return all(str(row.get(key) or "") == value for key, value in ids.items())
 
-    ids = {name: indexer_id(name, model_id) for name in {r["method"] for r in rows}}
-    kept = [r for r in rows if r.get("indexer", "") == ids[r["method"]]]
+
+def current_rows(rows: list[dict], model_id: str) -> list[dict]:
+    """Rows made with the indexer checkpoint and compaction options each method now uses for
+    ``model_id`` (columns ``indexer`` and ``config_id``, :func:`arckv_press.registry.result_ids`;
+    kvpress methods: every row)."""
+    from arckv_press.registry import result_ids
+
+    ids = {name: result_ids(name, model_id) for name in {r["method"] for r in rows}}
+    kept = [r for r in rows if is_current(r, ids[r["method"]])]
     if len(kept) < len(rows):
-        print(f"({len(rows) - len(kept)} rows made with another indexer checkpoint are left out)")
+        print(f"({len(rows) - len(kept)} rows made with another indexer checkpoint or other compaction defaults are left out)")
     return kept
 
 

@@ -19,8 +19,8 @@ not depend on the model's question-answering skill, which is what matters on a 1
     python scripts/bench_fidelity.py --methods arckv snapkv --ratios 0.1 --docs 4
 
 Writes one row per (method, ratio, document) to ``leaderboards/bench_fidelity.csv`` (resumable:
-finished rows are skipped, unless they used another learned indexer checkpoint, column
-``indexer``: ``arckv_press.registry.indexer_id``) and prints mean +- SD damage per method and ratio, plus the ratio of
+finished rows are skipped, unless they used another learned indexer checkpoint or other compaction
+options, columns ``indexer`` and ``config_id``: ``arckv_press.registry.result_ids``) and prints mean +- SD damage per method and ratio, plus the ratio of
 each method's damage to ARC-KV's at the same kept fraction, all from the CSV rows of this
 configuration (documents, lengths, model). ``scripts/make_leaderboard.py`` turns the rows into
 benchmark ``fidelity`` (score = 1 - mean damage).
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, current_indexer_rows, print_header, read_rows, run_meta  # noqa: E402
+from arckv_press.runinfo import append_rows, current_rows, print_header, read_rows, run_meta  # noqa: E402
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_fidelity.csv"
 DEFAULT_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha", "snapkv", "kvzip",
@@ -52,11 +52,11 @@ DEFAULT_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am
 DEFAULT_RATIOS = (0.2, 0.1, 0.05, 0.02, 0.01)
 QUICK = dict(methods=("arckv-ha", "snapkv", "expected_attention"), ratios=(0.2, 0.1), docs=2)
 FIELDS = ["method", "ratio", "doc", "doc_tokens", "cont_tokens", "nll", "nll_full", "nll_none", "damage",
-          "compaction_s", "cache_bytes", "indexer", "model", "command", "date", "package_version", "machine"]
+          "compaction_s", "cache_bytes", "indexer", "config_id", "model", "command", "date", "package_version", "machine"]
 
 
-def row_key(method: str, ratio, doc, doc_tokens, cont_tokens, model: str, indexer: str = "") -> tuple:
-    return (method, round(float(ratio), 6), int(doc), int(doc_tokens), int(cont_tokens), model, indexer)
+def row_key(method: str, ratio, doc, doc_tokens, cont_tokens, model: str, indexer: str = "", config_id: str = "") -> tuple:
+    return (method, round(float(ratio), 6), int(doc), int(doc_tokens), int(cont_tokens), model, indexer, config_id)
 
 
 def summarize(rows: list[dict], methods, ratios, n_docs: int, doc_tokens: int, cont_tokens: int, model: str) -> str:
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from arckv_press.haystack import load_haystack
     from arckv_press.models import load_model, model_id
     from arckv_press.probes import continuation_damage, reference_nlls, split_documents
-    from arckv_press.registry import indexer_id, make_press
+    from arckv_press.registry import make_press, result_ids
 
     print_header("context fidelity (continuation damage)", argv=argv)
     meta = run_meta(argv=None if argv is None else [sys.argv[0], *argv])
@@ -127,14 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     mid = model_id(model)
     haystack = load_haystack(None)
     documents = split_documents(tok, haystack[len(haystack) // 2:], n_docs, args.doc_tokens, args.cont_tokens)
-    ids = {m: indexer_id(m, mid) for m in methods}  # rows of another indexer checkpoint do not count
+    ids = {m: result_ids(m, mid) for m in methods}  # rows of another indexer checkpoint or config do not count
     rows = read_rows(args.out)
-    done = {row_key(r["method"], r["ratio"], r["doc"], r["doc_tokens"], r["cont_tokens"], r["model"], r.get("indexer", ""))
-            for r in rows}
+    done = {row_key(r["method"], r["ratio"], r["doc"], r["doc_tokens"], r["cont_tokens"], r["model"], r.get("indexer") or "",
+                    r.get("config_id") or "") for r in rows}
     references = {(int(r["doc"]), int(r["doc_tokens"]), int(r["cont_tokens"]), r["model"]):
                   (float(r["nll_full"]), float(r["nll_none"])) for r in rows}
     todo = [(m, r, d) for r in sorted(ratios, reverse=True) for m in methods for d in range(n_docs)
-            if row_key(m, r, d, args.doc_tokens, args.cont_tokens, mid, ids[m]) not in done]
+            if row_key(m, r, d, args.doc_tokens, args.cont_tokens, mid, **ids[m]) not in done]
     print(f"{len(todo)} cases to run, {len(methods) * len(ratios) * n_docs - len(todo)} already in {args.out}", flush=True)
     bar = tqdm(todo, unit="case", dynamic_ncols=True)
     for method, ratio, d in bar:
@@ -148,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         row = {"method": method, "ratio": f"{ratio:g}", "doc": d, "doc_tokens": args.doc_tokens,
                "cont_tokens": args.cont_tokens, "nll": f"{res['nll']:.5f}", "nll_full": f"{full:.5f}",
                "nll_none": f"{none:.5f}", "damage": "nan" if math.isnan(res["damage"]) else f"{res['damage']:.5f}",
-               "compaction_s": f"{res['seconds']:.3f}", "cache_bytes": res["cache_bytes"], "indexer": ids[method], "model": mid, **meta}
+               "compaction_s": f"{res['seconds']:.3f}", "cache_bytes": res["cache_bytes"], **ids[method], "model": mid, **meta}
         append_rows(args.out, [row], FIELDS)
         rows.append(row)
         tqdm.write(f"{method:<19} keep {ratio:<5g} doc {d}  damage {res['damage']:+.3f}  {res['seconds']:6.1f} s")
-    print(summarize(current_indexer_rows(rows, mid), methods, ratios, n_docs, args.doc_tokens, args.cont_tokens, mid))
+    print(summarize(current_rows(rows, mid), methods, ratios, n_docs, args.doc_tokens, args.cont_tokens, mid))
     return 0
 
 

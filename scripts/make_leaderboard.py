@@ -16,13 +16,15 @@ Inputs (all optional; glob patterns, repeatable):
   the leaderboard holds their means.
 - ``--needle`` (default ``<out-dir>/needle.csv``): ``scripts/needle.py`` rows become benchmark
   ``needle`` rows (score = fraction correct; of a method's rows, only those made with the indexer
-  checkpoint of its newest row).
+  checkpoint and compaction options of its newest row).
 
 Column ``indexer``: content id of the learned indexer checkpoint behind a row (``arckv`` only;
-from the records' / needle rows' ``indexer`` field, ``arckv_press.indexer.checkpoint_id``).
+from the records' / needle rows' ``indexer`` field, ``arckv_press.indexer.checkpoint_id``);
+column ``config_id``: content id of the compaction options (ARC-KV and AM;
+``arckv_press.api.config_id``).
 - ``--fidelity`` (default ``<out-dir>/bench_fidelity.csv``): ``scripts/bench_fidelity.py`` rows
   become benchmark ``fidelity`` rows, task ``continuation`` (score = 1 - mean damage over the
-  documents, of the newest row's indexer checkpoint: 1 = as good as the full cache, 0 = as good as no context), with the full cache
+  documents, of the newest row's indexer checkpoint and compaction options: 1 = as good as the full cache, 0 = as good as no context), with the full cache
   (method ``none``, score 1) and no context (method ``no-context``, score 0) as references.
 - ``--probes`` (default ``<out-dir>/probes.csv``): plotted only (damage and needle fraction per
   config).
@@ -57,7 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 FIELDS = [
     "model", "benchmark", "task", "method", "ratio", "score", "metric", "full_score", "nocontext_score",
-    "compaction_seconds", "cache_bytes", "full_cache_bytes", "realised_ratio", "indexer", "n_examples",
+    "compaction_seconds", "cache_bytes", "full_cache_bytes", "realised_ratio", "indexer", "config_id", "n_examples",
     "n_records", "model_args", "source", "date", "package_version", "command",
 ]
 KEY = ("model", "benchmark", "task", "method", "ratio")
@@ -200,6 +202,7 @@ def record_stats(records: list[dict], task: str, is_group: bool = False) -> dict
         "full_cache_bytes": _mean(records, "full_cache_bytes"),
         "realised_ratio": _mean(records, "realised_ratio"),
         "indexer": "+".join(sorted({str(r["indexer"]) for r in records if r.get("indexer")})),
+        "config_id": "+".join(sorted({str(r["config_id"]) for r in records if r.get("config_id")})),
         "n_records": len(records),
     }
 
@@ -247,10 +250,12 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
     return rows
 
 
-def newest_indexer_rows(rows: list[dict]) -> tuple[str, list[dict]]:
-    """The indexer checkpoint id of the newest row and the rows made with it (never mix checkpoints)."""
-    newest = max(rows, key=lambda r: r["date"]).get("indexer", "")
-    return newest, [r for r in rows if r.get("indexer", "") == newest]
+def newest_rows(rows: list[dict]) -> tuple[dict[str, str], list[dict]]:
+    """The indexer checkpoint id and compaction config id of the newest row, and the rows made
+    with them (never mix checkpoints or configurations)."""
+    newest_row = max(rows, key=lambda r: r["date"])
+    newest = {key: newest_row.get(key) or "" for key in ("indexer", "config_id")}
+    return newest, [r for r in rows if all((r.get(key) or "") == value for key, value in newest.items())]
 
 
 def read_needle(path: Path, common: dict[str, str]) -> list[dict]:
@@ -261,12 +266,12 @@ def read_needle(path: Path, common: dict[str, str]) -> list[dict]:
             groups[(r["model"], r["method"], fmt_ratio(r["ratio"]))].append(r)
     rows = []
     for (model, method, ratio), rs in sorted(groups.items()):
-        newest, rs = newest_indexer_rows(rs)
+        newest, rs = newest_rows(rs)
         rows.append({
             "model": model, "benchmark": "needle", "task": "needle", "method": method, "ratio": ratio,
             "score": mean(float(r["correct"]) for r in rs), "metric": "correct",
             "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
-            "cache_bytes": mean(float(r["cache_bytes"]) for r in rs), "indexer": newest,
+            "cache_bytes": mean(float(r["cache_bytes"]) for r in rs), **newest,
             "n_examples": len(rs), "n_records": len(rs), "source": _source(path),
             "date": max(r["date"] for r in rs), **common,
             "package_version": rs[0].get("package_version", common["package_version"]),
@@ -287,12 +292,12 @@ def read_fidelity(path: Path, common: dict[str, str]) -> list[dict]:
                 groups[(r["model"], r["method"], fmt_ratio(r["ratio"]))].append(r)
     rows = []
     for (model, method, ratio), rs in sorted(groups.items()):
-        newest, rs = newest_indexer_rows(rs)
+        newest, rs = newest_rows(rs)
         rows.append({
             "model": model, "benchmark": "fidelity", "task": "continuation", "method": method, "ratio": ratio,
             "score": 1.0 - mean(float(r["damage"]) for r in rs), "metric": "1-damage",
             "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
-            "cache_bytes": mean(float(r["cache_bytes"]) for r in rs), "indexer": newest,
+            "cache_bytes": mean(float(r["cache_bytes"]) for r in rs), **newest,
             "n_examples": len(rs), "n_records": len(rs), "source": _source(path),
             "date": max(r["date"] for r in rs), **common,
             "package_version": rs[0].get("package_version", common["package_version"]),
@@ -436,8 +441,15 @@ def plot_probes(path: Path, out_dir: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def same(r):
+        return r["config"], r["ratio"], r.get("dtype"), r.get("indexer")
+
+    config_ids = defaultdict(set)  # name the compaction options only where they tell rows apart
+    for r in rows:
+        config_ids[same(r)].add(r.get("config_id") or "")
     labels = [f"{r['config']} @{r['ratio']}" + (f" {r['dtype']}" if r.get("dtype") else "")
-              + (f" [{r['indexer'][:6]}]" if r.get("indexer") else "") for r in rows]  # one bar per checkpoint
+              + (f" [{r['indexer'][:6]}]" if r.get("indexer") else "")  # one bar per checkpoint / config
+              + (f" <{(r.get('config_id') or '-')[:6]}>" if len(config_ids[same(r)]) > 1 else "") for r in rows]
     damage = [_num(r.get("damage")) or 0.0 for r in rows]
     found = [
         (_num(r.get("needle_found")) or 0.0) / t if (t := _num(r.get("needle_total"))) else math.nan for r in rows

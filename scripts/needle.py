@@ -29,9 +29,10 @@ answer). ``cache_bytes`` are the bytes the cache really holds after the answer w
 (``CompactLayer.nbytes()`` for ARC-KV / AM layers, ``keys.nbytes + values.nbytes`` otherwise).
 ``masked`` is true when the press hides evicted positions behind a mask instead of removing
 them (kvpress's KVzip): such a cache holds the full size. ``indexer`` is the content id of the
-learned indexer checkpoint a method used (``arckv``; empty for the others,
-``arckv_press.registry.indexer_id``): after a new checkpoint ships, its cases run again and
-the figures and summary show only the rows of the shipped checkpoint.
+learned indexer checkpoint a method used (``arckv``; empty for the others) and ``config_id`` the
+id of its compaction options (ARC-KV and AM; ``arckv_press.registry.result_ids``): after a new
+checkpoint ships or a default changes, the affected cases run again and the figures and summary
+show only the rows made with what the methods use now.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 
 from arckv_press.runinfo import (  # noqa: E402
     append_rows,
-    current_indexer_rows,
+    current_rows,
+    is_current,
     parse_length,
     print_header,
     read_rows,
@@ -73,7 +75,7 @@ QUICK = dict(methods=("arckv-ha", "am-omp-fast", "snapkv"), ratios=(0.1,), lengt
 MAX_NEW_TOKENS = 12
 FIELDS = [
     "method", "ratio", "length", "depth", "seed", "context_tokens", "needle", "answer", "correct",
-    "compaction_s", "answer_s", "cache_bytes", "masked", "indexer", "model", "command", "date", "package_version", "machine",
+    "compaction_s", "answer_s", "cache_bytes", "masked", "indexer", "config_id", "model", "command", "date", "package_version", "machine",
 ]
 
 
@@ -90,11 +92,12 @@ def case_key(method: str, ratio, length, depth, seed) -> tuple:
     return (method, round(float(ratio), 6), int(length), round(float(depth), 6), int(seed))
 
 
-def current_indexer_ids(methods, mid: str) -> dict[str, str]:
-    """Indexer checkpoint id per method (``""`` for methods without a learned indexer)."""
-    from arckv_press.registry import indexer_id
+def current_ids(methods, mid: str) -> dict[str, dict[str, str]]:
+    """Per method, the indexer checkpoint id and compaction config id its results must carry
+    (:func:`arckv_press.registry.result_ids`; empty strings where a method has none)."""
+    from arckv_press.registry import result_ids
 
-    return {name: indexer_id(name, mid) for name in {*methods, "none"}}
+    return {name: result_ids(name, mid) for name in {*methods, "none"}}
 
 
 class TimedPress:
@@ -189,13 +192,13 @@ def run(args, meta: dict) -> None:
 
     model, tok = load_model(args.model)
     mid = model_id(model)
-    ids = current_indexer_ids(args.methods, mid)
+    ids = current_ids(args.methods, mid)
     done = {case_key(r["method"], r["ratio"], r["length"], r["depth"], r["seed"]) for r in read_rows(args.out)
-            if r.get("indexer", "") == ids.get(r["method"], "")}  # a new indexer checkpoint reruns its methods
+            if r["method"] in ids and is_current(r, ids[r["method"]])}  # a new checkpoint or default reruns its methods
     todo = [c for c in build_cases(args) if case_key(*c) not in done]
     print(f"{len(todo)} cases to run, {len(build_cases(args)) - len(todo)} already in {args.out}", flush=True)
     for name, ident in ids.items():
-        if METHODS[name].uses_indexer and not ident:
+        if METHODS[name].uses_indexer and not ident["indexer"]:
             print(f"skipping method {name}: no value-aware indexer is shipped for {mid}", flush=True)
             todo = [c for c in todo if c[0] != name]
     if not todo:
@@ -220,7 +223,7 @@ def run(args, meta: dict) -> None:
             tqdm.write(f"skipped {method} rho={ratio:g} length={length} depth={depth:g}: {err}")
             continue
         row = {"method": method, "ratio": f"{ratio:g}", "length": length, "depth": f"{depth:g}", "seed": seed,
-               "context_tokens": n_ctx, "needle": needle.value, **result, "indexer": ids[method], "model": mid, **meta}
+               "context_tokens": n_ctx, "needle": needle.value, **result, **ids[method], "model": mid, **meta}
         append_rows(args.out, [row], FIELDS)
         mark = "OK" if result["correct"] else "--"
         tqdm.write(f"{mark} {method:<19} rho={ratio:<5g} {length:>5} tok depth={depth:<4g} seed={seed} "
@@ -242,7 +245,7 @@ def plot(csv_path: Path, out_dir: Path) -> list[Path]:
     if not rows:
         print(f"nothing to plot: {csv_path} has no rows")
         return []
-    rows = current_indexer_rows(rows, rows[-1]["model"])
+    rows = current_rows(rows, rows[-1]["model"])
     acc: dict[tuple, list[int]] = defaultdict(list)
     masked: set[str] = set()
     for r in rows:
@@ -300,7 +303,7 @@ def plot(csv_path: Path, out_dir: Path) -> list[Path]:
 def summary(csv_path: Path) -> None:
     """Accuracy, median compaction seconds and median cache MiB per method, kept fraction and length."""
     rows = read_rows(csv_path)
-    rows = current_indexer_rows(rows, rows[-1]["model"]) if rows else rows
+    rows = current_rows(rows, rows[-1]["model"]) if rows else rows
     by: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         by[(r["method"], float(r["ratio"]), int(r["length"]))].append(r)

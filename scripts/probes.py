@@ -10,8 +10,9 @@ anchor's witness query, the default; 0: the budget rows only), ``qb`` (query_bud
 and the value fit: ``values`` (fit: paper Eq. (value_lstsq);
 anchor: keep the anchors' own values), ``prior`` (zero, anchor) and ``ridge`` (relative lambda_v);
 ``alloc=fixed,score=budget`` is the paper's exact setting. Results are appended to ``leaderboards/probes.csv`` (resumable: a finished config, ratio and
-``--dtype`` is skipped, unless it used another learned indexer checkpoint: column ``indexer``,
-``arckv_press.registry.indexer_id``);
+``--dtype`` is skipped, unless it used another learned indexer checkpoint or other compaction
+options, e.g. after a default changed: columns ``indexer`` and ``config_id``,
+``arckv_press.registry.result_ids``);
 the haystack and documents are the Paul Graham essays in ``../shared/data/ruler/pg_essays.txt``.
 """
 
@@ -37,10 +38,10 @@ from arckv_press.compaction.fit import FitConfig  # noqa: E402
 from arckv_press.haystack import load_haystack  # noqa: E402
 from arckv_press.models import load_model, model_id  # noqa: E402
 from arckv_press.probes import continuation_probe, needle_probe, split_documents  # noqa: E402
-from arckv_press.registry import indexer_id, make_press  # noqa: E402
+from arckv_press.registry import make_press, result_ids  # noqa: E402
 
 FIT_KEYS = {"values": "values", "prior": "value_prior", "ridge": "ridge_v"}  # probe key -> FitConfig field
-FIELDS = ["config", "method", "ratio", "dtype", "indexer", "options", "needle_found", "needle_total", "damage", "damage_docs",
+FIELDS = ["config", "method", "ratio", "dtype", "indexer", "config_id", "options", "needle_found", "needle_total", "damage", "damage_docs",
           "compaction_seconds", "date", "version", "command"]
 
 
@@ -92,8 +93,9 @@ def parse_config(text: str) -> tuple[str, dict]:
 
 
 def done_keys(rows) -> set[tuple]:
-    """``(config, ratio, dtype, indexer, with_needles)`` of the finished rows of a probes CSV."""
-    return {(r["config"], float(r["ratio"]), r["dtype"], r["indexer"], r["needle_total"] not in ("", "0")) for r in rows}
+    """``(config, ratio, dtype, indexer, config_id, with_needles)`` of the finished rows of a probes CSV."""
+    return {(r["config"], float(r["ratio"]), r["dtype"], r["indexer"], r["config_id"], r["needle_total"] not in ("", "0"))
+            for r in rows}
 
 
 def is_done(done: set[tuple], key: tuple, no_needles: bool) -> bool:
@@ -151,8 +153,8 @@ def main(argv=None) -> int:
         for config in args.configs:
             method, options = parse_config(config)
             for ratio in args.ratios:
-                ident = indexer_id(method, mid, options.get("indexer"))  # a new checkpoint reruns arckv
-                if is_done(done, (config, ratio, args.dtype, ident), args.no_needles):
+                ids = result_ids(method, mid, **options)  # a new checkpoint or default reruns the config
+                if is_done(done, (config, ratio, args.dtype, ids["indexer"], ids["config_id"]), args.no_needles):
                     print(f"skip {config} @ {ratio} {args.dtype} (done)")
                     continue
                 factory = lambda: make_press(method, ratio, **options)  # noqa: E731
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
                 cont, _ = continuation_probe(model, tok, factory, documents, references)
                 n_needles = needle.count if needle else 0
                 row = {
-                    "config": config, "method": method, "ratio": ratio, "dtype": args.dtype, "indexer": ident, "options": json.dumps(options, default=_jsonable),
+                    "config": config, "method": method, "ratio": ratio, "dtype": args.dtype, **ids, "options": json.dumps(options, default=_jsonable),
                     "needle_found": round(needle.value * needle.count) if needle else "", "needle_total": n_needles,
                     "damage": round(cont.value, 4), "damage_docs": cont.count,
                     "compaction_seconds": round(((needle.seconds if needle else 0.0) + cont.seconds)

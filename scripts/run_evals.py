@@ -10,10 +10,11 @@ and the no-context baseline (``drop_document=True``). Each run writes
     <out>/<benchmark>/<method>_<ratio>/requests.db          lm-eval's request cache (resume)
 
 A run whose ``results.json`` exists is skipped; an interrupted run resumes from its request
-cache (answered requests are not recomputed). Runs of a method with a learned indexer
-(``arckv``) record the checkpoint's id (``arckv_run.indexer``, and ``indexer`` in each
-record); when another checkpoint is shipped, such a folder moves to
-``<out>_indexer_<old id>/`` and the run starts afresh. ``scripts/make_leaderboard.py --results
+cache (answered requests are not recomputed). Runs record the learned indexer
+checkpoint's id (``arckv``; ``arckv_run.indexer``, and ``indexer`` in each record) and the id of
+the compaction options (ARC-KV and AM; ``config_id``, :func:`arckv_press.api.config_id`); when
+another checkpoint is shipped or a default changes, such a folder moves to
+``<out>_indexer_<old id>/`` or ``<out>_config_<old id>/`` and the run starts afresh. ``scripts/make_leaderboard.py --results
 '<out>/**/results.json' --records '<out>/**/arckv_compaction.jsonl'`` turns the folder into the
 leaderboard.
 
@@ -80,39 +81,48 @@ def plan(benchmarks, methods, ratios, baselines: bool = True) -> list[Run]:
     return runs
 
 
-def folder_indexer(folder: Path) -> str | None:
-    """Indexer checkpoint id a run folder was made with (``results.json``, else its compaction
-    records), ``""`` when it names none, ``None`` for a folder with neither."""
+ID_KEYS = ("indexer", "config_id")  # what a stored run must match (arckv_press.registry.result_ids)
+
+
+def folder_ids(folder: Path) -> dict[str, str] | None:
+    """Indexer checkpoint id and compaction config id a run folder was made with (``results.json``,
+    else its first compaction record; ``""`` where it names none), ``None`` for a folder with neither."""
     results = folder / "results.json"
     if results.exists():
-        return str(json.loads(results.read_text(encoding="utf-8")).get("arckv_run", {}).get("indexer", ""))
+        stored = json.loads(results.read_text(encoding="utf-8")).get("arckv_run", {})
+        return {key: str(stored.get(key) or "") for key in ID_KEYS}
     records = folder / "arckv_compaction.jsonl"
     if records.exists():
         for line in records.read_text(encoding="utf-8").splitlines():
             if line.strip():
-                return str(json.loads(line).get("indexer", ""))
+                stored = json.loads(line)
+                return {key: str(stored.get(key) or "") for key in ID_KEYS}
     return None
 
 
-def finished(folder: Path, ident: str) -> bool:
-    """Whether ``folder`` holds a finished run made with the indexer checkpoint ``ident``."""
-    return (folder / "results.json").exists() and folder_indexer(folder) == ident
+def finished(folder: Path, ids: dict[str, str]) -> bool:
+    """Whether ``folder`` holds a finished run made with the indexer checkpoint and compaction
+    options ``ids``."""
+    return (folder / "results.json").exists() and folder_ids(folder) == ids
 
 
-def retire_stale(run: Run, out: Path, ident: str) -> bool:
-    """Move a run folder made with another indexer checkpoint than ``ident`` to
-    ``<out>_indexer_<old id>/<benchmark>/<name>`` (its request cache would replay the old answers);
-    returns whether the run is finished with the current checkpoint."""
+def retire_stale(run: Run, out: Path, ids: dict[str, str]) -> bool:
+    """Move a run folder made with another indexer checkpoint than ``ids`` to
+    ``<out>_indexer_<old id>/<benchmark>/<name>``, or with other compaction options (a changed
+    default) to ``<out>_config_<old id>/...`` (its request cache would replay the old answers);
+    returns whether the run is finished with the current ones."""
     folder = run.folder(out)
-    stored = folder_indexer(folder)
-    if stored is not None and stored != ident:
-        dest = out.parent / f"{out.name}_indexer_{stored or 'unknown'}" / run.benchmark / run.name
+    stored = folder_ids(folder)
+    if stored is not None and stored != ids:
+        key = "indexer" if stored["indexer"] != ids["indexer"] else "config_id"
+        tag = key.removesuffix("_id")
+        dest = out.parent / f"{out.name}_{tag}_{stored[key] or 'unknown'}" / run.benchmark / run.name
         if dest.exists():
-            raise SystemExit(f"{folder} was made with indexer {stored or '(unknown)'}, and {dest} exists: move one away")
+            raise SystemExit(f"{folder} was made with {tag} {stored[key] or '(unknown)'}, and {dest} exists: move one away")
         dest.parent.mkdir(parents=True, exist_ok=True)
         folder.rename(dest)
-        print(f"moved {folder} (indexer {stored or 'unknown'}, now {ident}) to {dest}", flush=True)
-    return finished(folder, ident)
+        print(f"moved {folder} ({tag} {stored[key] or 'unknown'}, now {ids[key] or 'none'}) to {dest}", flush=True)
+    return finished(folder, ids)
 
 
 def task_setup(run: Run, args) -> tuple[list[str], dict, int | None]:
@@ -141,7 +151,7 @@ def equivalent_command(run: Run, args, model_path: str | None) -> str:
     return cmd + (f" --limit {limit}" if limit else "")
 
 
-def execute(run: Run, args, model, tokenizer, model_path: str | None, ident: str = "") -> dict:
+def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[str, str] | None = None) -> dict:
     """Run one (benchmark, method, ratio) and write its ``results.json``."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -176,7 +186,7 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None, ident: str
     data["arckv_run"] = {
         "benchmark": run.benchmark, "method": run.method, "ratio": run.ratio, "seconds": seconds,
         "command": equivalent_command(run, args, model_path), "machine": machine_info(),
-        "indexer": ident,
+        **{key: (ids or {}).get(key, "") for key in ID_KEYS},
     }
     tmp = folder / "results.json.tmp"
     tmp.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
@@ -222,10 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"ratios are kept fractions in (0, 1), got {bad}")
     from arckv_press.models import DEFAULT_MODEL_ID
-    from arckv_press.registry import indexer_id
+    from arckv_press.registry import result_ids
 
     runs = plan(args.benchmarks, args.methods, args.ratios, args.baselines)
-    ids = {r.method: indexer_id(r.method, DEFAULT_MODEL_ID) if r.method in METHODS else "" for r in runs}
+    ids = {r.method: result_ids(r.method, DEFAULT_MODEL_ID) if r.method in METHODS else dict.fromkeys(ID_KEYS, "")
+           for r in runs}
     if args.list:  # report only: nothing is moved
         todo = [r for r in runs if not finished(r.folder(args.out), ids[r.method])]
     else:

@@ -461,3 +461,31 @@ def test_min_head_fraction_floors_global_budgets(tiny_model, tiny_tokenizer):
     assert torch.equal(lengths[1.0], torch.full_like(lengths[1.0], per_head))
     with pytest.raises(ValueError, match="min_head_fraction must be in"):
         compact(model, tok, text, "arckv-ha", 0.2, min_head_fraction=1.5)
+
+
+def test_config_id_covers_the_options_that_shape_a_result():
+    """``config_id`` changes with every option that changes a compaction's result and with nothing
+    else: not the kept fraction or progress bars, and for Attention Matching not the ARC-KV-only
+    options it ignores. Budget weights count by content. ``method_config_id`` is the press's id."""
+    from arckv_press.api import config_id
+    from arckv_press.compaction.fit import FitConfig
+    from arckv_press.registry import method_config_id
+
+    def cid(**kw):
+        return config_id(CompactionConfig(**kw))
+
+    base = cid(method="arckv-ha")
+    assert base == cid(method="arckv-ha", ratio=0.02, progress=True, min_length=99) and len(base) == 12
+    for change in (dict(min_head_fraction=0.5), dict(lambda_m=0.0), dict(fit_witnesses=False), dict(seed=1),
+                   dict(query_budget=512), dict(allocation="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
+                   dict(budget_weights=torch.ones(3, 2))):
+        assert cid(method="arckv-ha", **change) != base, change
+    assert cid(method="arckv-vi") != base
+    assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) == cid(method="arckv-ha", budget_weights=torch.ones(3, 2))
+    assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) != cid(method="arckv-ha", budget_weights=2 * torch.ones(3, 2))
+    am = cid(method="am-omp")
+    assert am == cid(method="am-omp", min_head_fraction=0.5, lambda_m=0.0, fit_witnesses=False, allocation="fixed")
+    assert am != cid(method="am-omp", query_budget=512) and am != cid(method="am-omp-fast")
+    assert method_config_id("arckv-ha") == base
+    assert method_config_id("arckv-ha", config_options={"min_head_fraction": 0.5}) == cid(method="arckv-ha", min_head_fraction=0.5)
+    assert method_config_id("snapkv") == method_config_id("none") == ""

@@ -461,6 +461,11 @@ def test_requests_without_document_and_bad_options(inprocess_runs):
         assert arckv.indexer_id == checkpoint_id(default_indexer_path(model_id(lm.model)))
         assert HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv", ratio=1.0).indexer_id == ""
     assert lm.indexer_id == ""
+    from arckv_press.registry import method_config_id
+
+    ha = HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv-ha", ratio=0.5, lambda_m=0.5)
+    assert ha.config_id == method_config_id("arckv-ha", lambda_m=0.5) != method_config_id("arckv-ha")
+    assert HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="snapkv", ratio=0.5).config_id == ""
     with pytest.raises(ValueError, match="lambda_m"):
         HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="snapkv", ratio=0.5, lambda_m=0.3)
 

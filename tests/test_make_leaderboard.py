@@ -235,3 +235,20 @@ def test_bad_inputs(ml, tmp_path):
     bad.write_text(json.dumps({"config": {}}))
     with pytest.raises(ValueError, match="not an lm-eval results file"):
         ml.main(["--results", str(bad), "--out-dir", str(tmp_path)])
+
+
+def test_rows_made_under_older_compaction_defaults_are_left_out(ml, tmp_path):
+    """Same method and checkpoint, but another ``config_id`` (a default changed): only the newest
+    row's configuration counts, and the leaderboard names it."""
+    head = ("method,ratio,doc,doc_tokens,cont_tokens,nll,nll_full,nll_none,damage,compaction_s,cache_bytes,"
+            "indexer,config_id,model,command,date,package_version,machine\n")
+    rows = leaderboard_from(ml, tmp_path, "bench_fidelity.csv", head + (
+        "arckv-ha,0.1,0,1500,256,2.9,2.0,3.0,0.9,99.0,100,,cfgold000000,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+        "arckv-ha,0.1,1,1500,256,2.9,2.0,3.0,0.7,99.0,100,,cfgold000000,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+        "arckv-ha,0.1,0,1500,256,2.1,2.0,3.0,0.2,10.0,100,,cfgnew111111,m,c,2026-01-02T00:00:00Z,0.1.0,x\n"
+        "snapkv,0.1,0,1500,256,2.5,2.0,3.0,0.5,1.0,50,,,m,c,2026-01-01T00:00:00Z,0.1.0,x\n"
+    ))
+    ha = row(rows, benchmark="fidelity", method="arckv-ha")
+    assert float(ha["score"]) == pytest.approx(0.8) and ha["config_id"] == "cfgnew111111" and ha["n_examples"] == "1"
+    snap = row(rows, benchmark="fidelity", method="snapkv")
+    assert snap["config_id"] == "" and float(snap["score"]) == pytest.approx(0.5)

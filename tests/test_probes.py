@@ -131,27 +131,28 @@ def test_probe_config_parsing_builds_press_options():
 def test_probes_resume_keys_tell_damage_only_rows_apart():
     """A ``--no-needles`` row does not finish a full probe; a full row finishes both kinds."""
     mod = load_script("probes")
-    rows = [{"config": "a", "ratio": "0.1", "dtype": "float32", "indexer": "", "needle_total": "0"},
-            {"config": "b", "ratio": "0.1", "dtype": "float32", "indexer": "", "needle_total": "6"}]
+    rows = [{"config": "a", "ratio": "0.1", "dtype": "float32", "indexer": "", "config_id": "c1", "needle_total": "0"},
+            {"config": "b", "ratio": "0.1", "dtype": "float32", "indexer": "", "config_id": "c1", "needle_total": "6"}]
     done = mod.done_keys(rows)
-    assert not mod.is_done(done, ("a", 0.1, "float32", ""), no_needles=False)
-    assert mod.is_done(done, ("a", 0.1, "float32", ""), no_needles=True)
-    assert mod.is_done(done, ("b", 0.1, "float32", ""), no_needles=False)
-    assert mod.is_done(done, ("b", 0.1, "float32", ""), no_needles=True)
-    assert not mod.is_done(done, ("b", 0.2, "float32", ""), no_needles=True)
+    assert not mod.is_done(done, ("a", 0.1, "float32", "", "c1"), no_needles=False)
+    assert mod.is_done(done, ("a", 0.1, "float32", "", "c1"), no_needles=True)
+    assert mod.is_done(done, ("b", 0.1, "float32", "", "c1"), no_needles=False)
+    assert mod.is_done(done, ("b", 0.1, "float32", "", "c1"), no_needles=True)
+    assert not mod.is_done(done, ("b", 0.2, "float32", "", "c1"), no_needles=True)
+    assert not mod.is_done(done, ("b", 0.1, "float32", "", "c2"), no_needles=True)  # another default: rerun
 
 
-@pytest.mark.parametrize("column", ["dtype", "indexer"])
-def test_probes_refuses_a_csv_without_the_dtype_or_indexer_column(tmp_path, column):
-    """Rows are resumed by (config, ratio, dtype, indexer checkpoint): a CSV written before those
-    columns existed is refused with the columns named, before the model is loaded, instead of
-    mixing dtypes or indexer checkpoints silently."""
+@pytest.mark.parametrize("column", ["dtype", "indexer", "config_id"])
+def test_probes_refuses_a_csv_without_the_dtype_indexer_or_config_id_column(tmp_path, column):
+    """Rows are resumed by (config, ratio, dtype, indexer checkpoint, compaction config id): a CSV
+    written before those columns existed is refused with the columns named, before the model is
+    loaded, instead of mixing dtypes, indexer checkpoints or compaction defaults silently."""
     mod = load_script("probes")
     old = tmp_path / "probes.csv"
     old.write_text(",".join(f for f in mod.FIELDS if f != column) + "\n")
     with pytest.raises(SystemExit, match=f"expected .*'{column}'"):
         mod.main(["--configs", "snapkv", "--out", str(old)])
-    assert mod.FIELDS[:5] == ["config", "method", "ratio", "dtype", "indexer"]
+    assert mod.FIELDS[:6] == ["config", "method", "ratio", "dtype", "indexer", "config_id"]
     for committed in sorted((Path(__file__).resolve().parents[1] / "leaderboards").glob("probes*.csv")):
         with committed.open() as f:
             assert next(csv.reader(f)) == mod.FIELDS, committed.name  # the committed files resume too

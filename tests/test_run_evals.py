@@ -56,15 +56,19 @@ def test_leaderboard_reads_run_evals_output(re_, tmp_path, model_path):
     assert ("pretrained=" in re_.model_args_string(re_.Run("ruler", "snapkv", 0.1), model_path, "float32")) == bool(model_path)
 
 
-def test_runs_of_another_indexer_checkpoint_are_moved_away_and_rerun(re_, tmp_path, capsys):
+def test_runs_of_another_indexer_checkpoint_or_config_are_moved_away_and_rerun(re_, tmp_path, capsys):
     out = tmp_path / "lm_eval"
 
-    def make(run, indexer, finished=True):
+    def ids(indexer, config="c-now"):
+        return {"indexer": indexer, "config_id": config}
+
+    def make(run, indexer, finished=True, config="c-now"):
         folder = run.folder(out)
         folder.mkdir(parents=True)
-        (folder / "arckv_compaction.jsonl").write_text(json.dumps({"press": run.method, "indexer": indexer}) + "\n")
+        (folder / "arckv_compaction.jsonl").write_text(
+            json.dumps({"press": run.method, "indexer": indexer, "config_id": config}) + "\n")
         if finished:
-            (folder / "results.json").write_text(json.dumps({"results": {}, "arckv_run": {"indexer": indexer}}))
+            (folder / "results.json").write_text(json.dumps({"results": {}, "arckv_run": ids(indexer, config)}))
         (folder / "requests.db").write_text("cached answers")
         return folder
 
@@ -73,18 +77,21 @@ def test_runs_of_another_indexer_checkpoint_are_moved_away_and_rerun(re_, tmp_pa
     partial = make(re_.Run("ruler", "arckv", 0.05), "old", finished=False)
     legacy = make(re_.Run("quality", "arckv", 0.1), None)  # written before ids were recorded
     (legacy / "results.json").write_text(json.dumps({"results": {}, "arckv_run": {}}))
-    snap = make(re_.Run("ruler", "snapkv", 0.1), "")
-    assert re_.retire_stale(re_.Run("ruler", "arckv", 0.2), out, "new") is True and current.exists()
-    assert re_.retire_stale(re_.Run("ruler", "snapkv", 0.1), out, "") is True and snap.exists()
-    assert re_.retire_stale(re_.Run("ruler", "arckv", 0.1), out, "new") is False and not stale.exists()
+    snap = make(re_.Run("ruler", "snapkv", 0.1), "", config="")
+    old_default = make(re_.Run("ruler", "arckv-ha", 0.1), "", config="c-old")  # made before a default changed
+    assert re_.retire_stale(re_.Run("ruler", "arckv", 0.2), out, ids("new")) is True and current.exists()
+    assert re_.retire_stale(re_.Run("ruler", "snapkv", 0.1), out, ids("", "")) is True and snap.exists()
+    assert re_.retire_stale(re_.Run("ruler", "arckv", 0.1), out, ids("new")) is False and not stale.exists()
     assert (tmp_path / "lm_eval_indexer_old" / "ruler" / "arckv_0.1" / "requests.db").exists()
-    assert re_.retire_stale(re_.Run("ruler", "arckv", 0.05), out, "new") is False and not partial.exists()
+    assert re_.retire_stale(re_.Run("ruler", "arckv", 0.05), out, ids("new")) is False and not partial.exists()
     assert (tmp_path / "lm_eval_indexer_old" / "ruler" / "arckv_0.05" / "arckv_compaction.jsonl").exists()
-    assert re_.retire_stale(re_.Run("quality", "arckv", 0.1), out, "new") is False
+    assert re_.retire_stale(re_.Run("quality", "arckv", 0.1), out, ids("new")) is False
     assert (tmp_path / "lm_eval_indexer_unknown" / "quality" / "arckv_0.1" / "results.json").exists()
-    assert re_.retire_stale(re_.Run("ruler", "arckv", 0.1), out, "new") is False  # nothing left to move
+    assert re_.retire_stale(re_.Run("ruler", "arckv-ha", 0.1), out, ids("")) is False and not old_default.exists()
+    assert (tmp_path / "lm_eval_config_c-old" / "ruler" / "arckv-ha_0.1" / "requests.db").exists()
+    assert re_.retire_stale(re_.Run("ruler", "arckv", 0.1), out, ids("new")) is False  # nothing left to move
     assert "moved" in capsys.readouterr().out
     stale.mkdir(parents=True)  # an archive that exists already is never overwritten
-    (stale / "results.json").write_text(json.dumps({"results": {}, "arckv_run": {"indexer": "old"}}))
+    (stale / "results.json").write_text(json.dumps({"results": {}, "arckv_run": ids("old")}))
     with pytest.raises(SystemExit, match="exists"):
-        re_.retire_stale(re_.Run("ruler", "arckv", 0.1), out, "new")
+        re_.retire_stale(re_.Run("ruler", "arckv", 0.1), out, ids("new"))

@@ -61,6 +61,8 @@ parallelism); nothing is written otherwise. Fields:
   heads);
 - ``indexer``: content id of the learned indexer checkpoint (``press=arckv``;
   :func:`arckv_press.registry.indexer_id`), empty for the other presses;
+- ``config_id``: content id of the compaction options (our presses;
+  :func:`arckv_press.api.config_id`), empty for kvpress presses and ``ratio=1``;
 - ``compacted`` (false for ``none`` and for documents shorter than the press's ``min_length``,
   which keep the full cache; ``note`` says why), ``requests`` and ``tasks``: the requests served
   by the group of requests that triggered the compaction.
@@ -357,6 +359,7 @@ class HFArcKV(HFLM):
     # ------------------------------------------------------------------ setup
     def _make_press(self, options: dict[str, Any]):
         from arckv_press.models import model_id
+        from arckv_press.api import config_id
         from arckv_press.registry import indexer_id, make_press
 
         if self.family in OUR_FAMILIES:
@@ -373,8 +376,10 @@ class HFArcKV(HFLM):
                 )
         press = make_press(self.press_name, self.ratio, **options)
         self._indexer_id = indexer_id(self.press_name, model_id(self.model), options.get("indexer")) if press is not None and self.ratio < 1.0 else ""
+        self._config_id = ""
         if press is not None and self.family in OUR_FAMILIES:
-            press.compaction_config()  # validate now, not at the first document
+            config = press.compaction_config()  # validate now, not at the first document
+            self._config_id = config_id(config) if self.ratio < 1.0 else ""
         return press
 
     def _resolve_records_path(self, records: str | None) -> Path | None:
@@ -396,6 +401,11 @@ class HFArcKV(HFLM):
     def indexer_id(self) -> str:
         """Checkpoint id of the learned indexer the press uses (``""``: none), as in the records."""
         return self._indexer_id
+
+    @property
+    def config_id(self) -> str:
+        """Content id of the press's compaction options (``""``: none), as in the records."""
+        return self._config_id
 
     @property
     def records_file(self) -> Path | None:
@@ -453,6 +463,7 @@ class HFArcKV(HFLM):
             "context_tokens": req.doc_end,
             "rank": self.rank,
             "indexer": self._indexer_id,
+            "config_id": self._config_id,
             "compacted": self._press is not None,
             "note": None,
         }
