@@ -476,7 +476,7 @@ def test_config_id_covers_the_options_that_shape_a_result():
 
     base = cid(method="arckv-ha")
     assert base == cid(method="arckv-ha", ratio=0.02, progress=True, min_length=99) and len(base) == 12
-    for change in (dict(min_head_fraction=0.5), dict(lambda_m=0.0), dict(fit_witnesses=False), dict(seed=1),
+    for change in (dict(min_head_fraction=0.25), dict(lambda_m=0.0), dict(fit_witnesses=False), dict(seed=1),
                    dict(query_budget=512), dict(allocation="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
                    dict(budget_weights=torch.ones(3, 2))):
         assert cid(method="arckv-ha", **change) != base, change
@@ -484,8 +484,8 @@ def test_config_id_covers_the_options_that_shape_a_result():
     assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) == cid(method="arckv-ha", budget_weights=torch.ones(3, 2))
     assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) != cid(method="arckv-ha", budget_weights=2 * torch.ones(3, 2))
     am = cid(method="am-omp")
-    assert am == cid(method="am-omp", min_head_fraction=0.5, lambda_m=0.0, fit_witnesses=False, allocation="fixed")
+    assert am == cid(method="am-omp", min_head_fraction=0.25, lambda_m=0.0, fit_witnesses=False, allocation="fixed")
     assert am != cid(method="am-omp", query_budget=512) and am != cid(method="am-omp-fast")
     assert method_config_id("arckv-ha") == base
-    assert method_config_id("arckv-ha", config_options={"min_head_fraction": 0.5}) == cid(method="arckv-ha", min_head_fraction=0.5)
+    assert method_config_id("arckv-ha", config_options={"min_head_fraction": 0.25}) == cid(method="arckv-ha", min_head_fraction=0.25)
     assert method_config_id("snapkv") == method_config_id("none") == ""
