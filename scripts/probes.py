@@ -5,7 +5,7 @@
 
 A config is ``METHOD[:key=value,...]`` with keys ``ctx`` (share of reference queries from the
 context's own prefill: 0 = repeat-prefill only, the paper's default), ``pool`` (rms, mean,
-max), ``alloc`` (global, fixed), ``floor`` (min_head_fraction: share of the uniform budget every head keeps under global allocation), ``score`` (all, budget), ``lam`` (lambda_m, key merging), ``wit`` (1: the fits also use each
+max), ``alloc`` (global, fixed), ``floor`` (min_head_fraction: share of the uniform budget every head keeps under global allocation; default 0.5), ``score`` (all, budget), ``lam`` (lambda_m, key merging), ``wit`` (1: the fits also use each
 anchor's witness query, the default; 0: the budget rows only), ``qb`` (query_budget rows per KV head),
 and the value fit: ``values`` (fit: paper Eq. (value_lstsq);
 anchor: keep the anchors' own values), ``prior`` (zero, anchor) and ``ridge`` (relative lambda_v);
