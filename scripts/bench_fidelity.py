@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, current_rows, print_header, read_rows, run_meta  # noqa: E402
+from arckv_press.runinfo import append_rows, current_rows, is_current, print_header, read_rows, run_meta  # noqa: E402
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_fidelity.csv"
 DEFAULT_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha", "snapkv", "kvzip",
@@ -55,8 +55,8 @@ FIELDS = ["method", "ratio", "doc", "doc_tokens", "cont_tokens", "nll", "nll_ful
           "compaction_s", "cache_bytes", "indexer", "config_id", "model", "command", "date", "package_version", "machine"]
 
 
-def row_key(method: str, ratio, doc, doc_tokens, cont_tokens, model: str, indexer: str = "", config_id: str = "") -> tuple:
-    return (method, round(float(ratio), 6), int(doc), int(doc_tokens), int(cont_tokens), model, indexer, config_id)
+def row_key(method: str, ratio, doc, doc_tokens, cont_tokens, model: str) -> tuple:
+    return (method, round(float(ratio), 6), int(doc), int(doc_tokens), int(cont_tokens), model)
 
 
 def summarize(rows: list[dict], methods, ratios, n_docs: int, doc_tokens: int, cont_tokens: int, model: str) -> str:
@@ -129,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     documents = split_documents(tok, haystack[len(haystack) // 2:], n_docs, args.doc_tokens, args.cont_tokens)
     ids = {m: result_ids(m, mid) for m in methods}  # rows of another indexer checkpoint or config do not count
     rows = read_rows(args.out)
-    done = {row_key(r["method"], r["ratio"], r["doc"], r["doc_tokens"], r["cont_tokens"], r["model"], r.get("indexer") or "",
-                    r.get("config_id") or "") for r in rows}
+    done = {row_key(r["method"], r["ratio"], r["doc"], r["doc_tokens"], r["cont_tokens"], r["model"]) for r in rows
+            if r["method"] in ids and is_current(r, ids[r["method"]])}
     references = {(int(r["doc"]), int(r["doc_tokens"]), int(r["cont_tokens"]), r["model"]):
                   (float(r["nll_full"]), float(r["nll_none"])) for r in rows}
     todo = [(m, r, d) for r in sorted(ratios, reverse=True) for m in methods for d in range(n_docs)
-            if row_key(m, r, d, args.doc_tokens, args.cont_tokens, mid, **ids[m]) not in done]
+            if row_key(m, r, d, args.doc_tokens, args.cont_tokens, mid) not in done]
     print(f"{len(todo)} cases to run, {len(methods) * len(ratios) * n_docs - len(todo)} already in {args.out}", flush=True)
     bar = tqdm(todo, unit="case", dynamic_ncols=True)
     for method, ratio, d in bar:
