@@ -436,7 +436,8 @@ def compact_prefilled(
         ratio=float(config.ratio),
         original_length=int(context_ids.shape[1]),
         package_version=__version__,
-        extra={"prefix_length": prefix_len, "lambda_m": config.lambda_m, "report": report.__dict__},
+        extra={"prefix_length": prefix_len, "lambda_m": config.lambda_m, "config_id": config_id(config),
+               "report": report.__dict__},
     )
     result.report = report
     return result

@@ -38,7 +38,8 @@ def cmd_compact(args) -> int:
     model, tok = _load(args)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        cache = compact(model, tok, text, method=args.method, ratio=args.ratio, lambda_m=args.lambda_m, progress=True)
+        options = {k: v for k, v in (("lambda_m", args.lambda_m), ("min_head_fraction", args.min_head_fraction)) if v is not None}
+        cache = compact(model, tok, text, method=args.method, ratio=args.ratio, progress=True, **options)
     seconds = time.perf_counter() - t0
     out = Path(args.output or f"{args.file}.arckv")
     cache.save(out)
@@ -119,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--method", default="arckv", choices=list(METHODS))
     p.add_argument("--ratio", type=float, default=0.1, help="kept fraction rho in (0, 1]")
-    p.add_argument("--lambda-m", type=float, default=0.25)
+    p.add_argument("--lambda-m", type=float, default=None, help="ARC-KV key-merging coefficient (default 0.25)")
+    p.add_argument("--min-head-fraction", type=float, default=None,
+                   help="ARC-KV: share of its uniform budget every layer-head keeps (default 0.5; 0 = fully global, "
+                        "1 = uniform budgets)")
     p.add_argument("-o", "--output")
     p.set_defaults(func=cmd_compact)
 

@@ -335,6 +335,9 @@ class ARCKVPress(_CompactionPress):
         indexer: indexer checkpoint path or loaded indexer for ``selector="indexer"``; ``None``
             uses the checkpoint shipped for the model, and compaction raises a ValueError when
             none is shipped.
+        min_head_fraction: share of its uniform budget every layer--KV head keeps before the rest
+            is allocated globally (see :class:`~arckv_press.api.CompactionConfig`; 0 = fully
+            global, 1 = uniform budgets).
         Other fields: see ``_CompactionPress`` (tokenizer, query_budget, context_fraction, seed,
         progress, use_chat_template, config_options) and ``last_report``.
     """
@@ -342,6 +345,7 @@ class ARCKVPress(_CompactionPress):
     lambda_m: float = _DEFAULTS.lambda_m
     selector: str = "indexer"
     indexer: Any = None
+    min_head_fraction: float = _DEFAULTS.min_head_fraction
 
     @property
     def method(self) -> str:
@@ -351,7 +355,7 @@ class ARCKVPress(_CompactionPress):
         return by_selector[self.selector]
 
     def _method_options(self) -> dict[str, Any]:
-        return {"lambda_m": self.lambda_m, "indexer": self.indexer}
+        return {"lambda_m": self.lambda_m, "indexer": self.indexer, "min_head_fraction": self.min_head_fraction}
 
 
 @dataclass

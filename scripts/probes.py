@@ -75,7 +75,7 @@ def parse_config(text: str) -> tuple[str, dict]:
         elif key == "lam":
             options["lambda_m"] = float(value)
         elif key == "floor":
-            options.setdefault("config_options", {})["min_head_fraction"] = float(value)
+            options["min_head_fraction"] = float(value)
         elif key == "wit":
             options.setdefault("config_options", {})["fit_witnesses"] = _flag(value, text)
         elif key == "qb":
@@ -84,7 +84,7 @@ def parse_config(text: str) -> tuple[str, dict]:
             fit[FIT_KEYS[key]] = float(value) if key == "ridge" else value
         else:
             raise ValueError(
-                f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, score=, lam=, wit=, qb=, values=, "
+                f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, score=, lam=, floor=, wit=, qb=, values=, "
                 "prior=, ridge=)"
             )
     if fit:

@@ -487,5 +487,8 @@ def test_config_id_covers_the_options_that_shape_a_result():
     assert am == cid(method="am-omp", min_head_fraction=0.25, lambda_m=0.0, fit_witnesses=False, allocation="fixed")
     assert am != cid(method="am-omp", query_budget=512) and am != cid(method="am-omp-fast")
     assert method_config_id("arckv-ha") == base
-    assert method_config_id("arckv-ha", config_options={"min_head_fraction": 0.25}) == cid(method="arckv-ha", min_head_fraction=0.25)
+    assert method_config_id("arckv-ha", min_head_fraction=0.25) == cid(method="arckv-ha", min_head_fraction=0.25)
+    assert method_config_id("arckv-ha", config_options={"pooling": "max"}) == cid(method="arckv-ha", pooling="max")
+    with pytest.raises(ValueError, match="pass them as press arguments"):  # a press field, not config_options
+        method_config_id("arckv-ha", config_options={"min_head_fraction": 0.25})
     assert method_config_id("snapkv") == method_config_id("none") == ""

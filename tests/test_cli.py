@@ -45,6 +45,36 @@ def test_compact_then_ask_answers_as_the_api(tiny_model, tmp_path, capsys):
         assert f"Q: {q}\nA: {answer(model, tok, cache, q, 6)}\n" in printed
 
 
+def test_compact_options_reach_the_compaction_and_its_saved_record(tiny_model, tmp_path, capsys):
+    """``--min-head-fraction`` / ``--lambda-m`` change the compaction (uniform budgets at 1.0, as
+    ``compact()`` gives them) and the saved cache records the options' ``config_id``."""
+    from arckv_press.api import CompactionConfig, config_id
+    from arckv_press.cache import CompactCache
+
+    folder = _tiny_folder(tiny_model, tmp_path / "model", seed=0)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(make_text(300, seed=5), encoding="utf-8")
+    common = ["--model", str(folder), "--dtype", "float32", "compact", str(doc), "--method", "arckv-ha", "--ratio", "0.2"]
+    model, tok = load_model(str(folder), dtype="float32")
+    saved = {}
+    for name, extra, options in (("default", [], {}),
+                                 ("uniform", ["--min-head-fraction", "1", "--lambda-m", "0.5"],
+                                  {"min_head_fraction": 1.0, "lambda_m": 0.5})):
+        out = tmp_path / f"{name}.arckv"
+        assert cli.main([*common, *extra, "-o", str(out)]) == 0
+        capsys.readouterr()
+        saved[name] = CompactCache.load(out, model)
+        want = config_id(CompactionConfig(method="arckv-ha", ratio=0.2, **options))
+        assert saved[name].metadata.extra["config_id"] == want
+        with torch.inference_mode():
+            ref = compact(model, tok, doc.read_text(encoding="utf-8"), method="arckv-ha", ratio=0.2, **options)
+        for got, exp in zip(saved[name].compact_layers, ref.compact_layers):
+            assert torch.equal(got.lengths, exp.lengths) and torch.allclose(got.beta, exp.beta)
+    assert saved["uniform"].metadata.extra["config_id"] != saved["default"].metadata.extra["config_id"]
+    lengths = torch.stack([layer.lengths for layer in saved["uniform"].compact_layers])
+    assert torch.equal(lengths, torch.full_like(lengths, int(lengths.max())))  # uniform budgets
+
+
 def test_ask_refuses_a_cache_built_for_another_model(tiny_model, tmp_path, capsys):
     doc = tmp_path / "doc.txt"
     doc.write_text(make_text(400, seed=1), encoding="utf-8")

@@ -124,8 +124,10 @@ def test_probe_config_parsing_builds_press_options():
     assert make_press("arckv-ha", 0.2).compaction_config().fit_witnesses is True
     with pytest.raises(ValueError, match="wit= takes 0 or 1"):
         mod.parse_config("arckv-ha:wit=yes")
-    method, options = mod.parse_config("arckv-ha:floor=0.5")
-    assert make_press(method, 0.1, **options).compaction_config().min_head_fraction == 0.5
+    method, options = mod.parse_config("arckv-ha:floor=0.75")
+    assert options == {"min_head_fraction": 0.75}
+    assert make_press(method, 0.1, **options).compaction_config().min_head_fraction == 0.75
+    assert make_press(method, 0.1).compaction_config().min_head_fraction == 0.5  # the default
 
 
 def test_probes_resume_keys_tell_damage_only_rows_apart():

@@ -296,8 +296,8 @@ class HFArcKV(HFLM):
             by document, so one is enough within an lm-eval call).
         drop_document: the no-context baseline (the document text is removed from every prompt;
             needs ``press=none``).
-        press_<option>: any other press option, e.g. ``press_window_size=32`` for SnapKV or
-            ``press_query_budget=1024`` for ARC-KV.
+        press_<option>: any other press option, e.g. ``press_window_size=32`` for SnapKV,
+            ``press_query_budget=1024`` or ``press_min_head_fraction=0.75`` for ARC-KV.
         Other arguments go to ``HFLM`` (``dtype``, ``device``, ``max_length``, ``batch_size``, ...).
     """
 
