@@ -24,6 +24,7 @@ training doing anything?), ``ha``, ``vi``, ``omp-fast``; ablations: pooling rms 
 
     python scripts/eval_selectors.py --quick
     python scripts/eval_selectors.py --layers all --contexts 4
+    python scripts/eval_selectors.py --dev-tokens 3000 6700 --no-omp --out leaderboards/eval_selectors_long_contexts.csv
 
 Prints markdown tables (command line, machine, data at the top) and writes
 ``leaderboards/eval_selectors.csv`` (one row per context x layer x selector x pooling x
@@ -46,6 +47,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime as dt  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
@@ -86,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shards", default=None,
                    help="layer-shard dir of a `train_indexer.py --layers ...` run: its layers replace the checkpoint's")
     p.add_argument("--contexts", type=int, default=None, help="development contexts (default all)")
+    p.add_argument("--dev-tokens", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
+                   help="pack the development articles into contexts of MIN-MAX tokens instead of the checkpoint's "
+                        "training lengths (the same held-out articles: the split does not depend on lengths)")
     p.add_argument("--layers", default=None, help="e.g. 0-29, 0,6,12 or all (default every 3rd layer)")
     p.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
     p.add_argument("--holdout", type=float, default=0.25)
@@ -96,6 +101,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model dtype of the reference pools (default auto, as inference: bfloat16 on CUDA, float32 on "
                         "CPU; the README's table of 2026-11-22 used bfloat16 pools)")
     return p.parse_args(argv)
+
+
+def dev_context_spec(training: dict, dev_tokens: tuple[int, int] | list[int] | None = None) -> ContextSpec:
+    """The :class:`ContextSpec` of the development contexts: the checkpoint's training spec
+    (``training["context_spec"]``; 1,200-1,800 tokens for checkpoints without one), with its
+    lengths replaced by ``dev_tokens = (min, max)`` when given. The article split depends only on
+    the seed and ``dev_fraction``, so other lengths repack the same held-out articles."""
+    spec = ContextSpec(**training["context_spec"]) if training.get("context_spec") else ContextSpec(1200, 1800)
+    if dev_tokens is not None:
+        lo, hi = dev_tokens
+        spec = dataclasses.replace(spec, min_tokens=int(lo), max_tokens=int(hi))
+    return spec
 
 
 def _timed(fn):
@@ -172,7 +189,7 @@ def main(argv=None) -> int:
         else:
             print(f"layers {load_shard_layers(indexer, args.shards)} from the shards in {args.shards}")
     init_indexer = ValueAwareIndexer(indexer.config, seed=int(meta.training.get("init_seed", 0)))
-    spec = ContextSpec(**meta.training.get("context_spec", {})) if meta.training.get("context_spec") else ContextSpec(1200, 1800)
+    spec = dev_context_spec(meta.training, args.dev_tokens)
     pset = PoolSettings(**meta.training.get("pool_settings", {})) if meta.training.get("pool_settings") else PoolSettings()
     source = default_data_dir() / meta.training.get("source_file", SQUAD_TRAIN_FILE)
     _, dev = build_contexts(load_squad_articles(source), tok, spec)

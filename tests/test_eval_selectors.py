@@ -47,3 +47,31 @@ def test_omp_is_skipped_with_a_message_when_keys_outnumber_fit_rows(capsys):
     omp = [r["ratio"] for r in rows if r["selector"] == "omp-fast"]
     assert omp == [0.02]
     assert "omp-fast skipped at rho 0.2, T 200: 40 kept keys > 12 fit rows" in capsys.readouterr().out
+
+
+class _WordTokenizer:
+    """One token per whitespace-separated word (enough for build_contexts' counting)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return text.split()
+
+
+def test_dev_tokens_repack_the_same_held_out_articles_at_other_lengths():
+    from arckv_press.indexer.data import ContextSpec, build_contexts
+
+    mod = load_script("eval_selectors")
+    articles = [(f"article {a}", [" ".join(f"w{a}_{p}_{i}" for i in range(40 + 7 * ((a + p) % 5))) for p in range(30)])
+                for a in range(20)]
+    training = {"context_spec": {"min_tokens": 120, "max_tokens": 180, "dev_fraction": 0.1, "seed": 3}}
+    short = mod.dev_context_spec(training)
+    assert short == ContextSpec(120, 180, 0.1, 3)
+    long = mod.dev_context_spec(training, [500, 900])
+    assert long == ContextSpec(500, 900, 0.1, 3)
+    train_s, dev_s = build_contexts(articles, _WordTokenizer(), short)
+    train_l, dev_l = build_contexts(articles, _WordTokenizer(), long)
+    titles = lambda cs: {t for c in cs for t in c.articles}  # noqa: E731
+    assert titles(dev_l) == titles(dev_s) and titles(dev_l).isdisjoint(titles(train_s))
+    assert dev_l and all(500 <= c.n_tokens <= 900 for c in dev_l)
+    assert max(c.n_tokens for c in dev_s) <= 180
+    # a checkpoint without a stored spec falls back to the 1,200-1,800-token contexts of the first release
+    assert mod.dev_context_spec({}) == ContextSpec(1200, 1800)
