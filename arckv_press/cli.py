@@ -108,8 +108,9 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from arckv_press.api import METHODS
+    from arckv_press.api import METHODS, CompactionConfig
 
+    defaults = CompactionConfig()
     parser = argparse.ArgumentParser(prog="arckv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -120,9 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--method", default="arckv", choices=list(METHODS))
     p.add_argument("--ratio", type=float, default=0.1, help="kept fraction rho in (0, 1]")
-    p.add_argument("--lambda-m", type=float, default=None, help="ARC-KV key-merging coefficient (default 0.25)")
+    p.add_argument("--lambda-m", type=float, default=None, help=f"ARC-KV key-merging coefficient (default {defaults.lambda_m})")
     p.add_argument("--min-head-fraction", type=float, default=None,
-                   help="ARC-KV: share of its uniform budget every layer-head keeps (default 0.5; 0 = fully global, "
+                   help=f"ARC-KV: share of its uniform budget every layer-head keeps (default {defaults.min_head_fraction}; "
+                        "0 = fully global, "
                         "1 = uniform budgets)")
     p.add_argument("-o", "--output")
     p.set_defaults(func=cmd_compact)

@@ -13,10 +13,17 @@ sharding, threads, defaults; see its docstring). Typical CPU run for the default
 Default hyperparameters (``arckv_press.indexer.run.DEFAULTS``): KL warm-up 6 epochs at peak lr
 1e-2, joint stage (2 L_out^STE + L_KL) 3 epochs at peak lr 3e-3, KL on 128 random rows of the
 pool per episode, episode split (score, fit, holdout) = (0.3, 0.4, 0.3) of the reference
-positions, 20 training contexts of 1.2K-1.8K tokens, 1,024 reference rows per KV head. The
-paper's schedule shape (KL warm-up then joint; AdamW, 3% warm-up + cosine to 10%, gamma
-1.0 -> 0.1) is kept; its peak learning rates (1e-4 / 3e-5) are for ~9,000 steps per layer, a
-CPU run affords ~200.
+positions, all training contexts (``--max-contexts N``: the first N) of 1.2K-1.8K tokens, 1,024
+reference rows per KV head. The paper's schedule shape (KL warm-up then joint; AdamW, 3% warm-up
++ cosine to 10%, gamma 1.0 -> 0.1) is kept; its peak learning rates (1e-4 / 3e-5) are for ~9,000
+steps per layer, a CPU run affords ~200.
+
+The indexer fits the context length it was trained on (README, "Anchor selectors"), so the
+checkpoint shipped for the default model is trained on mixed lengths, with the epochs scaled so
+the steps per layer match the default recipe::
+
+    python scripts/train_indexer.py --min-tokens 1000 --max-tokens 6000 --max-contexts 20 \
+        --kl-epochs 17 --joint-epochs 8 --lr-kl 1e-2 --lr-joint 3e-3 --layers 0-14   # (and 15-29, then --merge)
 
 Quick check that picked the learning rates (layer 15 of SmolLM2-135M-Instruct, bf16; trained
 on 4 training pools for 2 KL + 2 joint epochs, 256 KL rows; evaluated on the 4 held-out

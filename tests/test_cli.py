@@ -94,3 +94,14 @@ def test_bad_ratio_is_a_clear_error(tiny_model, tmp_path, capsys):
     doc.write_text(make_text(400), encoding="utf-8")
     assert cli.main(["--model", str(folder), "compact", str(doc), "--method", "arckv-ha", "--ratio", "1.5"]) == 2
     assert "ratio" in capsys.readouterr().err
+
+
+def test_compact_help_states_the_configs_defaults():
+    """The help text of ``arckv compact`` quotes :class:`CompactionConfig`'s defaults (not copies)."""
+    from arckv_press.api import CompactionConfig
+
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["compact"]
+    helps = {a.dest: a.help for a in sub._actions}
+    defaults = CompactionConfig()
+    assert f"(default {defaults.lambda_m})" in helps["lambda_m"]
+    assert f"(default {defaults.min_head_fraction};" in helps["min_head_fraction"]

@@ -389,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=1800)
     g.add_argument("--dev-fraction", type=float, default=0.1)
     g.add_argument("--data-seed", type=int, default=0)
-    g.add_argument("--max-contexts", type=int, default=20, help="training contexts used (first N of the split)")
+    g.add_argument("--max-contexts", type=int, default=None,
+                   help="training contexts used (first N of the split; default all)")
     g.add_argument("--query-budget", type=int, default=1024)
     g.add_argument("--pool-seed", type=int, default=0)
     g.add_argument("--repeat-chunk", type=int, default=2048)
