@@ -124,8 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lambda-m", type=float, default=None, help=f"ARC-KV key-merging coefficient (default {defaults.lambda_m})")
     p.add_argument("--min-head-fraction", type=float, default=None,
                    help=f"ARC-KV: share of its uniform budget every layer-head keeps (default {defaults.min_head_fraction}; "
-                        "0 = fully global, "
-                        "1 = uniform budgets)")
+                        "0 = fully global, 1 = uniform budgets)")
     p.add_argument("-o", "--output")
     p.set_defaults(func=cmd_compact)
 
