@@ -218,7 +218,10 @@ def main(argv=None) -> int:
     header = [
         f"command: `{command}`",
         f"machine: {machine}; date {date}; arckv-press {__version__}",
-        f"model: {mid} ({args.dtype}); indexer: {ck}, id {ident} (trained on {meta.training.get('train_contexts')})",
+        f"model: {mid} ({args.dtype}); indexer: {ck}, id {ident} (checkpoint trained on "
+        f"{meta.training.get('train_contexts')})" + ("" if shard_layers is None else
+        f"; layers {shard_layers} from shards of another indexer config, whose per-head budget rows use "
+        f"the checkpoint's weights"),
         f"data: {len(dev)} held-out dev contexts {contexts_summary(dev)} from {source.name} "
         f"(articles disjoint from training); layers {layers}; query_budget {pset.query_budget} rows/KV head, "
         f"fit/holdout positions {1 - args.holdout:.2f}/{args.holdout:.2f}",

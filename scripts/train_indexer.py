@@ -18,9 +18,17 @@ reference rows per KV head. The paper's schedule shape (KL warm-up then joint; A
 + cosine to 10%, gamma 1.0 -> 0.1) is kept; its peak learning rates (1e-4 / 3e-5) are for ~9,000
 steps per layer, a CPU run affords ~200.
 
-The indexer fits the context length it was trained on (README, "Anchor selectors"), so the
-checkpoint shipped for the default model is trained on mixed lengths, with the epochs scaled so
-the steps per layer match the default recipe::
+The checkpoint shipped for the default model since 2026-11-26 (``ad0a7eba2894``) is the
+*residual* form (``--residual``, not the paper's indexer: the logit adds the model's own attention
+logit and the head weights start at zero, so training starts from HA's scores and the KL warm-up
+has nothing to do), trained on the default 1.2K-1.8K-token contexts with the joint stage only::
+
+    python scripts/train_indexer.py --residual --kl-epochs 0 --joint-epochs 3 --lr-joint 3e-3 \
+        --layers 0-14 --shard-dir DIR   # (and 15-29, then the same with --merge)
+
+It is the first checkpoint with less held-out error than HA at every kept fraction on
+1.5K-1.8K-token contexts (README, "Anchor selectors"). Before it, the paper's form was trained
+on mixed lengths, because it fits the context length it was trained on::
 
     python scripts/train_indexer.py --min-tokens 1000 --max-tokens 6000 --max-contexts 20 \
         --kl-epochs 17 --joint-epochs 8 --lr-kl 1e-2 --lr-joint 3e-3 --layers 0-14   # (and 15-29, then --merge)

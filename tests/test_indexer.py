@@ -178,6 +178,59 @@ def test_batched_over_heads_equals_per_head_loop():
         torch.testing.assert_close(Ih[0], I[h], rtol=1e-5, atol=1e-5)
 
 
+def test_residual_form_adds_the_model_attention_logit():
+    """``base_logit_scale``: the logits are the paper's plus ``s_0 q.k`` (float64 reference)."""
+    plain = ValueAwareIndexer(tiny_config())
+    randomize(plain, 6)
+    resid = ValueAwareIndexer(tiny_config(base_logit_scale=0.3))
+    resid.load_state_dict(plain.state_dict())
+    X, Q, K, V = inputs(plain.config, n=5, T=9, seed=3)
+    ref = reference_logits(plain, 1, X, Q, K, V) + 0.3 * np.einsum("hnd,htd->hnt", Q.double().numpy(),
+                                                                   K.double().numpy())
+    np.testing.assert_allclose(resid.logits(1, X, Q, K, V).detach().double().numpy(), ref, rtol=1e-4, atol=1e-4)
+    P = scipy.special.softmax(ref, axis=-1)
+    for br, bt in ((64, 4096), (2, 4)):  # dense and blocked scores
+        s = resid.scores(1, X, Q, K, V, block_rows=br, block_T=bt)
+        np.testing.assert_allclose(s.double().numpy(), np.sqrt((P ** 2).mean(1)), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("pooling", ["rms", "mean", "max"])
+def test_residual_form_at_zero_head_weights_scores_like_ha(pooling):
+    """With ``L_x = b_x = 0`` (the residual run's initialisation) the indexer ranks exactly as
+    the training-free HA selector (``compaction.select.ha_scores``)."""
+    from arckv_press.compaction.select import ha_scores
+
+    cfg = tiny_config(base_logit_scale=8 ** -0.5, init_std_x=0.0, init_bias_x=0.0)
+    model = ValueAwareIndexer(cfg, seed=1)
+    assert torch.count_nonzero(model.L_x) == 0 and torch.count_nonzero(model.b_x) == 0
+    X, Q, K, V = inputs(cfg, n=7, T=12, seed=4)
+    s = model.scores(0, X, Q, K, V, pooling=pooling, block_rows=3, block_T=5)
+    torch.testing.assert_close(s, ha_scores(Q, K, 8 ** -0.5, pooling=pooling), rtol=1e-5, atol=1e-7)
+    # the paper's indexer with the same initialisation scores every position alike instead
+    flat = ValueAwareIndexer(tiny_config(init_std_x=0.0, init_bias_x=0.0), seed=1)
+    torch.testing.assert_close(flat.scores(0, X, Q, K, V, pooling=pooling),
+                               torch.full((3, 12), 1 / 12), rtol=1e-5, atol=1e-7)
+
+
+def test_residual_config_round_trip_and_validation(tiny_model):
+    from arckv_press.indexer.run import RunSettings
+    from arckv_press.models import describe_attention_layout
+
+    cfg = tiny_config(base_logit_scale=0.25)
+    assert cfg.to_dict()["base_logit_scale"] == 0.25 and IndexerConfig.from_dict(cfg.to_dict()) == cfg
+    # the paper's indexer keeps the dict it had before the residual form (run fingerprints)
+    assert "base_logit_scale" not in tiny_config().to_dict()
+    assert IndexerConfig.from_dict(tiny_config().to_dict()) == tiny_config()
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="base_logit_scale must be positive"):
+            tiny_config(base_logit_scale=bad)
+    model = tiny_model("llama")
+    resid = RunSettings(residual=True).indexer_config(model)
+    assert resid.base_logit_scale == describe_attention_layout(model).scaling
+    assert (resid.init_std_x, resid.init_bias_x) == (0.0, 0.0)
+    assert RunSettings().indexer_config(model).base_logit_scale is None
+
+
 @pytest.mark.parametrize("pooling", ["rms", "mean", "max"])
 def test_blocked_scores_equal_unblocked(pooling):
     cfg = tiny_config()

@@ -38,6 +38,13 @@ Implementation choices not fixed by the paper (documented deviations):
   logit; ``L_x`` ~ N(0, ``init_std_x``^2) (small) and ``b_x = init_bias_x`` (1.0), so the initial
   head weights are ~1 and do not depend on ``x``. The copies are not tied during training.
 
+Optional residual form (``IndexerConfig.base_logit_scale``; not in the paper, an experiment of
+this project): the logit becomes ``I_ij + s_0 * q_i . k_j``, the base model's own attention logit
+plus the learned score. With ``init_std_x = init_bias_x = 0`` every head weight ``w_ia`` starts at
+0, so ``softmax_j(I_ij)`` is the model's attention and the pooled scores are exactly the
+training-free HA scores (tested); training then learns a value-aware correction of HA instead of
+a low-rank imitation of the attention it can compute exactly.
+
 Because ``L_c = L_v = 0`` at initialisation, ``c_i`` does not enter ``qbar`` and ``v_j`` does not
 enter ``kbar``: a query--key-only parameter set reproduces its logits exactly whatever ``U_*``
 are (the property stated in the paper), tested in ``tests/test_indexer.py``.
@@ -67,6 +74,7 @@ __all__ = [
     "row_weights",
     "pair_logits",
     "layer_logits",
+    "add_base_logits",
 ]
 
 #: Names of the per-pair parameter tensors (paper Eqs. (indexer_parameters), (value_indexer_parameters)).
@@ -93,6 +101,9 @@ class IndexerConfig:
             ``d_value_attn ** -0.5`` (see module docstring: not in the paper).
         init_std_x: std of the initial ``L_x`` entries.
         init_bias_x: initial value of every ``b_x`` entry.
+        base_logit_scale: if set, the residual form of the module docstring: the logit adds
+            ``base_logit_scale * q . k``, the base model's attention logit (pass the model's
+            softmax scale, ``AttentionLayout.scaling``). ``None`` (default): the paper's indexer.
 
     The defaults ``H_I = 4, d_I = d_A = 16`` give 18,692 parameters per pair for the default
     model SmolLM2-135M (``d = 64``, ``d_x = 576``, 30 x 3 pairs): 1.68M parameters, 1.25% of
@@ -112,6 +123,7 @@ class IndexerConfig:
     value_attn_scale: float | None = None
     init_std_x: float = 0.02
     init_bias_x: float = 1.0
+    base_logit_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "d_x", "n_index_heads",
@@ -125,6 +137,12 @@ class IndexerConfig:
                 raise ValueError(f"IndexerConfig.{name} must be finite, got {value!r}")
         if not (self.rms_eps > 0 and math.isfinite(self.rms_eps)):
             raise ValueError(f"IndexerConfig.rms_eps must be positive, got {self.rms_eps!r}")
+        if self.base_logit_scale is not None and not (
+            self.base_logit_scale > 0 and math.isfinite(self.base_logit_scale)
+        ):
+            raise ValueError(
+                f"IndexerConfig.base_logit_scale must be positive or None, got {self.base_logit_scale!r}"
+            )
         if self.value_attn_scale is not None and not (
             self.value_attn_scale > 0 and math.isfinite(self.value_attn_scale)
         ):
@@ -165,7 +183,13 @@ class IndexerConfig:
         return self.num_pairs * self.params_per_pair()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Fields as a dict; ``base_logit_scale`` only when set, so the paper's indexer keeps the
+        dict (and the run fingerprints and checkpoint metadata built from it) it had before the
+        residual form existed."""
+        out = asdict(self)
+        if out["base_logit_scale"] is None:
+            del out["base_logit_scale"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "IndexerConfig":
@@ -278,12 +302,20 @@ def pair_logits(qbar: Tensor, kbar: Tensor, w: Tensor, slope: float = 0.1) -> Te
     return out
 
 
+def add_base_logits(I: Tensor, Q: Tensor, K: Tensor, cfg: IndexerConfig) -> Tensor:
+    """``I + s_0 * Q K^T`` for the residual form (``cfg.base_logit_scale``), else ``I``."""
+    if cfg.base_logit_scale is None:
+        return I
+    return I + (Q * cfg.base_logit_scale) @ K.transpose(1, 2)
+
+
 def layer_logits(p: dict[str, Tensor], cfg: IndexerConfig, X: Tensor, Q: Tensor, K: Tensor,
                  V: Tensor) -> Tensor:
     """Dense indexer logits ``I [H, n, T]`` for one layer's parameters ``p`` (differentiable)."""
     c = value_context(p, Q, K, V, cfg.attn_scale)
-    return pair_logits(query_features(p, Q, c, cfg), key_features(p, K, V, cfg),
-                       row_weights(p, X), cfg.leaky_slope)
+    I = pair_logits(query_features(p, Q, c, cfg), key_features(p, K, V, cfg),
+                    row_weights(p, X), cfg.leaky_slope)
+    return add_base_logits(I, Q, K, cfg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,7 +474,8 @@ class ValueAwareIndexer(nn.Module):
             qbar, w = query_features(p, Qb, c, cfg), row_weights(p, Xb)
 
             def block_logits(j0: int, j1: int) -> Tensor:
-                return pair_logits(qbar, kbar[:, j0:j1], w, cfg.leaky_slope)
+                I = pair_logits(qbar, kbar[:, j0:j1], w, cfg.leaky_slope)
+                return add_base_logits(I, Qb, K[:, j0:j1], cfg)
 
             if len(t_blocks) == 1:
                 probs = [torch.softmax(block_logits(0, T), dim=-1)]

@@ -113,6 +113,9 @@ class RunSettings:
     Attributes:
         train: :class:`TrainConfig` passed to :func:`train_layer`.
         indexer: :class:`IndexerConfig` overrides (``n_index_heads``, ``d_index``, ...).
+        residual: train the residual form (``IndexerConfig.base_logit_scale`` = the model's
+            softmax scale, head weights initialised at 0 so training starts from HA's scores;
+            an experiment, not the paper's indexer).
         init_seed: seed of the indexer initialisation (the same full-model init in every shard).
         curve_pools: training pools used for the error curves of the budget weights.
         curve_fractions: kept fractions of the error curves (:mod:`.budget`).
@@ -122,6 +125,7 @@ class RunSettings:
 
     train: TrainConfig = field(default_factory=lambda: TrainConfig(**DEFAULTS))
     indexer: dict[str, Any] = field(default_factory=dict)
+    residual: bool = False
     init_seed: int = 0
     curve_pools: int = 4
     curve_fractions: tuple[float, ...] = DEFAULT_FRACTIONS
@@ -129,7 +133,13 @@ class RunSettings:
     weight_ratios: tuple[float, ...] = DEFAULT_RATIOS
 
     def indexer_config(self, model: Any) -> IndexerConfig:
-        return IndexerConfig.from_model_config(model.config, **self.indexer)
+        overrides = dict(self.indexer)
+        if self.residual:
+            from arckv_press.models import describe_attention_layout
+
+            overrides.update(base_logit_scale=describe_attention_layout(model).scaling,
+                             init_std_x=0.0, init_bias_x=0.0)
+        return IndexerConfig.from_model_config(model.config, **overrides)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -420,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--n-index-heads", type=int, default=None)
     t.add_argument("--d-index", type=int, default=None)
     t.add_argument("--d-value-attn", type=int, default=None)
+    t.add_argument("--residual", action="store_true",
+                   help="residual indexer (experiment, not the paper's): the logit adds the model's own attention "
+                        "logit and the head weights start at 0, so training starts from HA's scores")
     t.add_argument("--curve-pools", type=int, default=4)
     t.add_argument("--no-progress", action="store_true")
     return p
@@ -435,7 +448,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     )
     overrides = {k: getattr(args, k) for k in ("n_index_heads", "d_index", "d_value_attn")
                  if getattr(args, k) is not None}
-    return RunSettings(train=train, indexer=overrides, curve_pools=args.curve_pools,
+    return RunSettings(train=train, indexer=overrides, residual=args.residual, curve_pools=args.curve_pools,
                        weight_ratios=tuple(args.ratios))
 
 
