@@ -38,8 +38,8 @@ Implementation choices not fixed by the paper (documented deviations):
   logit; ``L_x`` ~ N(0, ``init_std_x``^2) (small) and ``b_x = init_bias_x`` (1.0), so the initial
   head weights are ~1 and do not depend on ``x``. The copies are not tied during training.
 
-Optional residual form (``IndexerConfig.base_logit_scale``; not in the paper, an experiment of
-this project): the logit becomes ``I_ij + s_0 * q_i . k_j``, the base model's own attention logit
+Optional residual form (``IndexerConfig.base_logit_scale``; not in the paper; the form of the
+checkpoint shipped for the default model since 2026-11-26, README "Anchor selectors"): the logit becomes ``I_ij + s_0 * q_i . k_j``, the base model's own attention logit
 plus the learned score. With ``init_std_x = init_bias_x = 0`` every head weight ``w_ia`` starts at
 0, so ``softmax_j(I_ij)`` is the model's attention and the pooled scores are exactly the
 training-free HA scores (tested); training then learns a value-aware correction of HA instead of

@@ -115,7 +115,7 @@ class RunSettings:
         indexer: :class:`IndexerConfig` overrides (``n_index_heads``, ``d_index``, ...).
         residual: train the residual form (``IndexerConfig.base_logit_scale`` = the model's
             softmax scale, head weights initialised at 0 so training starts from HA's scores;
-            an experiment, not the paper's indexer).
+            not the paper's indexer, the form shipped for the default model).
         init_seed: seed of the indexer initialisation (the same full-model init in every shard).
         curve_pools: training pools used for the error curves of the budget weights.
         curve_fractions: kept fractions of the error curves (:mod:`.budget`).
@@ -431,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--d-index", type=int, default=None)
     t.add_argument("--d-value-attn", type=int, default=None)
     t.add_argument("--residual", action="store_true",
-                   help="residual indexer (experiment, not the paper's): the logit adds the model's own attention "
+                   help="residual indexer (not the paper's; the shipped form for the default model): the logit adds the model's own attention "
                         "logit and the head weights start at 0, so training starts from HA's scores")
     t.add_argument("--curve-pools", type=int, default=4)
     t.add_argument("--no-progress", action="store_true")
