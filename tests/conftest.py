@@ -182,3 +182,16 @@ def load_script(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def assert_ratio_of_rounded(printed: float, num: float, den: float, csv_decimals: int, print_decimals: int = 2,
+                            den_terms: int = 1):
+    """A script printed ``printed`` = num/den rounded to ``print_decimals``, and wrote ``num`` and ``den``
+    rounded to ``csv_decimals``. On tiny models the times are milliseconds, so the quotient of the rounded
+    values can differ from the printed ratio by far more than a relative tolerance: check the printed ratio
+    lies in the interval the rounded values allow instead. ``den_terms``: how many rounded values ``den`` sums."""
+    e, p = 0.5 * 10.0**-csv_decimals, 0.5 * 10.0**-print_decimals
+    d = den_terms * e
+    low = (num - e) / (den + d)
+    high = (num + e) / (den - d) if den > d else float("inf")
+    assert low - p <= printed <= high + p, (printed, num, den)
