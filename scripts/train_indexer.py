@@ -27,7 +27,9 @@ has nothing to do), trained on the default 1.2K-1.8K-token contexts with the joi
         --layers 0-14 --shard-dir DIR   # (and 15-29, then the same with --merge)
 
 It is the first checkpoint with less held-out error than HA at every kept fraction on
-1.5K-1.8K-token contexts (README, "Anchor selectors"). Before it, the paper's form was trained
+1.5K-1.8K-token contexts (README, "Anchor selectors"). ``--residual vi`` starts from VI instead
+(``IndexerConfig.base_value_influence``: the logit adds VI's log-influence, rows are weighted by
+their total influence, and the joint stage's L_KL targets VI's row distribution). Before it, the paper's form was trained
 on mixed lengths, because it fits the context length it was trained on::
 
     python scripts/train_indexer.py --min-tokens 1000 --max-tokens 6000 --max-contexts 20 \

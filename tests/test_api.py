@@ -492,3 +492,25 @@ def test_config_id_covers_the_options_that_shape_a_result():
     with pytest.raises(ValueError, match="pass them as press arguments"):  # a press field, not config_options
         method_config_id("arckv-ha", config_options={"min_head_fraction": 0.25})
     assert method_config_id("snapkv") == method_config_id("none") == ""
+
+
+@pytest.mark.parametrize("base", ["ha", "vi"])
+def test_residual_indexer_at_initialisation_compacts_like_its_training_free_base(tiny_model, tiny_tokenizer, base):
+    """End to end: method ``arckv`` with a residual indexer at its initialisation (zero head
+    weights) selects exactly the anchors of ``arckv-ha`` / ``arckv-vi``, so the whole compact
+    cache (keys, beta, values, per-head lengths) is the same: the learned indexer plugs into
+    the same selection, merge and fits as the training-free selectors."""
+    from arckv_press.indexer.model import IndexerConfig, ValueAwareIndexer
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    cfg = IndexerConfig.from_model_config(model.config, base_logit_scale=describe_attention_layout(model).scaling,
+                                          base_value_influence=base == "vi", init_std_x=0.0, init_bias_x=0.0)
+    indexer = ValueAwareIndexer(cfg, seed=3)
+    text = make_text(400, seed=2)
+    with torch.inference_mode():
+        learned = compact(model, tok, text, "arckv", 0.25, indexer=indexer)
+        free = compact(model, tok, text, f"arckv-{base}", 0.25)
+    for a, b in zip(learned.layers, free.layers):
+        assert torch.equal(a.lengths, b.lengths)
+        for name in ("ck", "beta", "cv"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-6)

@@ -225,10 +225,73 @@ def test_residual_config_round_trip_and_validation(tiny_model):
         with pytest.raises(ValueError, match="base_logit_scale must be positive"):
             tiny_config(base_logit_scale=bad)
     model = tiny_model("llama")
-    resid = RunSettings(residual=True).indexer_config(model)
+    resid = RunSettings(residual="ha").indexer_config(model)
     assert resid.base_logit_scale == describe_attention_layout(model).scaling
-    assert (resid.init_std_x, resid.init_bias_x) == (0.0, 0.0)
+    assert (resid.init_std_x, resid.init_bias_x, resid.base_value_influence) == (0.0, 0.0, False)
     assert RunSettings().indexer_config(model).base_logit_scale is None
+    vi = RunSettings(residual="vi").indexer_config(model)
+    assert vi.base_value_influence and vi.base_logit_scale == resid.base_logit_scale
+    assert vi.to_dict()["base_value_influence"] is True and IndexerConfig.from_dict(vi.to_dict()) == vi
+    assert "base_value_influence" not in resid.to_dict()  # the HA residual's fingerprint is unchanged
+    with pytest.raises(ValueError, match="base_value_influence needs base_logit_scale"):
+        tiny_config(base_value_influence=True)
+    with pytest.raises(ValueError, match="residual must be None, 'ha' or 'vi'"):
+        RunSettings(residual="omp").indexer_config(model)
+
+
+def _reference_vi_influence(Q, K, V, scaling, eps=1e-6):
+    """Float64 numpy brute force of VI's normalised influence D_ij / sqrt(||O_i||^2 + eps) by
+    removing each key and recomputing the output (paper Eq. (background_value_selectors))."""
+    Q, K, V = (t.double().numpy() for t in (Q, K, V))
+    H, n, T = Q.shape[0], Q.shape[1], K.shape[1]
+    out = np.zeros((H, n, T))
+    for h in range(H):
+        L = scaling * Q[h] @ K[h].T
+        O = scipy.special.softmax(L, axis=-1) @ V[h]
+        for j in range(T):
+            keep = np.arange(T) != j
+            O_minus = scipy.special.softmax(L[:, keep], axis=-1) @ V[h][keep]
+            out[h, :, j] = np.linalg.norm(O - O_minus, axis=-1) / np.sqrt((O ** 2).sum(-1) + eps)
+    return out
+
+
+@pytest.mark.parametrize("pooling", ["rms", "mean", "max"])
+def test_vi_residual_at_zero_head_weights_scores_like_vi(pooling):
+    """``base_value_influence`` at the residual initialisation (``L_x = b_x = 0``) ranks exactly
+    as the training-free VI selector (``compaction.select.vi_scores``), blocked or not."""
+    from arckv_press.compaction.select import vi_scores
+
+    cfg = tiny_config(base_logit_scale=8 ** -0.5, base_value_influence=True, init_std_x=0.0, init_bias_x=0.0)
+    model = ValueAwareIndexer(cfg, seed=1)
+    X, Q, K, V = inputs(cfg, n=7, T=12, seed=4)
+    ref = vi_scores(Q, K, V, 8 ** -0.5, pooling=pooling)
+    for br, bt in ((64, 4096), (3, 5)):
+        s = model.scores(0, X, Q, K, V, pooling=pooling, block_rows=br, block_T=bt)
+        torch.testing.assert_close(s, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_vi_residual_scores_match_a_float64_reference_and_the_training_pooling():
+    """With trained (random) parameters: scores = pool_i( r_i softmax_j(I_ij + log Dn_ij) ) with
+    ``r_i = sum_j Dn_ij``, against the float64 transcription of the indexer and a brute-force
+    leave-one-out ``Dn``; the training loss pools the same scores (train/inference agree)."""
+    from arckv_press.indexer.model import layer_logits_and_row_weights
+    from arckv_press.indexer.train import pooled_scores
+
+    cfg = tiny_config(base_logit_scale=0.3, base_value_influence=True)
+    model = ValueAwareIndexer(cfg)
+    randomize(model, 8)
+    plain = ValueAwareIndexer(tiny_config())
+    plain.load_state_dict(model.state_dict())
+    X, Q, K, V = inputs(cfg, n=6, T=11, seed=5)
+    Dn = _reference_vi_influence(Q, K, V, 0.3)
+    logits = reference_logits(plain, 1, X, Q, K, V) + np.log(Dn)
+    P = scipy.special.softmax(logits, axis=-1) * Dn.sum(-1, keepdims=True)
+    for br, bt in ((64, 4096), (4, 3)):
+        s = model.scores(1, X, Q, K, V, block_rows=br, block_T=bt)
+        np.testing.assert_allclose(s.double().numpy(), np.sqrt((P ** 2).mean(1)), rtol=1e-4, atol=1e-6)
+    I, r = layer_logits_and_row_weights(model.layer_params(1), cfg, X, Q, K, V)
+    np.testing.assert_allclose(r.double().numpy(), Dn.sum(-1), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(pooled_scores(I, "rms", r), model.scores(1, X, Q, K, V), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("pooling", ["rms", "mean", "max"])
@@ -779,3 +842,27 @@ def test_heldout_error_and_error_curves():
     curves = error_curves(lambda pool, rows: s.float(), pools, (0.1, 0.5, 1.0), holdout_fraction=0.25,
                           fit_config=FitConfig(ridge_v=0.0))
     assert curves.shape == (2, 3) and (curves[:, -1] < 1e-3).all() and (curves[:, 0] > curves[:, -1]).all()
+
+
+def test_kl_of_the_vi_residual_is_zero_at_initialisation_and_targets_vi():
+    """The VI residual's L_KL targets VI's row distribution ``Dn / sum_j Dn`` (the attention for
+    the HA residual): 0 at zero head weights, and the float64 KL against that target otherwise."""
+    from arckv_press.indexer.model import layer_logits_and_row_weights, vi_base
+    from arckv_press.indexer.train import kl_loss
+
+    cfg = tiny_config(base_logit_scale=0.3, base_value_influence=True, init_std_x=0.0, init_bias_x=0.0)
+    model = ValueAwareIndexer(cfg, seed=2)
+    X, Q, K, V = inputs(cfg, n=6, T=11, seed=6)
+    with torch.no_grad():
+        I0, _ = layer_logits_and_row_weights(model.layer_params(0), cfg, X, Q, K, V)
+    target = vi_base(Q, K, V, cfg)[0]
+    assert abs(kl_loss(I0, Q, K, 0.3, target).item()) < 1e-6
+    assert kl_loss(I0, Q, K, 0.3).item() > 1e-3  # the attention is another distribution
+    randomize(model, 3)
+    with torch.no_grad():
+        I, _ = layer_logits_and_row_weights(model.layer_params(0), cfg, X, Q, K, V)
+    Dn = _reference_vi_influence(Q, K, V, 0.3)
+    p = Dn / Dn.sum(-1, keepdims=True)
+    log_q = scipy.special.log_softmax(I.detach().double().numpy(), axis=-1)
+    ref = (p * (np.log(p) - log_q)).sum(-1).mean()
+    assert kl_loss(I, Q, K, 0.3, target).item() == pytest.approx(ref, rel=1e-4)

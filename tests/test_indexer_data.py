@@ -283,24 +283,31 @@ def test_ridge_v_flag_sets_the_training_fit_and_the_run_fingerprint(tiny_model, 
         run.settings_from_args(run.build_parser().parse_args(_args(tmp_path, "--ridge-v", "-1")))
 
 
-def test_residual_flag_trains_and_merges_a_residual_checkpoint(tiny_model, tiny_tokenizer, tmp_path):
-    """``--residual``: its own run fingerprint (never mixed with the paper's indexer's shards), and
-    the merged checkpoint adds the model's attention logit with the model's own softmax scale."""
+@pytest.mark.parametrize("base", ["ha", "vi"])
+def test_residual_flag_trains_and_merges_a_residual_checkpoint(tiny_model, tiny_tokenizer, tmp_path, base):
+    """``--residual [ha|vi]``: its own run fingerprint (never mixed with the paper's indexer's
+    shards), and the merged checkpoint adds the model's attention logit with the model's own
+    softmax scale (HA base) or VI's log-influence (VI base)."""
     from arckv_press.indexer import run
     from arckv_press.models import describe_attention_layout, model_id
 
     model, tok = _tiny(tiny_model, tiny_tokenizer)
     _write_squad(tmp_path / "squad.json", _fake_articles(n_articles=8, n_paragraphs=4, seed=1))
-    resid = (*_args(tmp_path, "--kl-epochs", "0"), "--residual")
+    resid = (*_args(tmp_path, "--kl-epochs", "0"), "--residual", *([] if base == "ha" else [base]))
     plain = run.settings_from_args(run.build_parser().parse_args(_args(tmp_path, "--kl-epochs", "0")))
     settings = run.settings_from_args(run.build_parser().parse_args(resid))
+    other = run.settings_from_args(run.build_parser().parse_args(
+        (*_args(tmp_path, "--kl-epochs", "0"), "--residual", "vi" if base == "ha" else "ha")))
+    assert settings.residual == base
     pools = [tmp_path / "a.safetensors"]
-    assert run.run_fingerprint(model, pools, plain) != run.run_fingerprint(model, pools, settings)
+    prints = {run.run_fingerprint(model, pools, x) for x in (plain, settings, other)}
+    assert len(prints) == 3
     assert run.main([*resid, "--layers", "0-1"], model, tok) == 0
     out = tmp_path / "ck"
     assert run.main([*resid, "--merge", "--out", str(out)], model, tok) == 0
     indexer, meta, _ = load_indexer(out, model_id=model_id(model), config_hash=config_hash(model.config))
     assert indexer.config.base_logit_scale == describe_attention_layout(model).scaling
+    assert indexer.config.base_value_influence == (base == "vi")
     assert meta.training["epochs"] == {"kl": 0, "joint": 1}
-    # training moved the head weights away from zero (the learned correction of HA is live)
+    # training moved the head weights away from zero (the learned correction of the base is live)
     assert torch.count_nonzero(indexer.L_x) > 0

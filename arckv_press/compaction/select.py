@@ -224,11 +224,15 @@ def ha_scores(
     return pooled_softmax_scores(logits, Q.shape[1], block_rows, pooling)
 
 
-def _vi_block(Lb: torch.Tensor, V: torch.Tensor, Vc: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalised leave-one-out influence D_ij / sqrt(||O_i||^2 + eps) for one row block.
+def value_influence(
+    Lb: torch.Tensor, V: torch.Tensor, eps: float = 1e-6, Vc: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Normalised leave-one-out influence D_ij / sqrt(||O_i||^2 + eps) ``[H, b, T]`` of a row
+    block: the per-row term of s^VI (paper Eq. (background_value_selectors)).
 
-    ``Lb`` ``[H, b, T]`` logits, ``V`` ``[H, T, Dv]`` values, ``Vc`` values centred per head
-    (distances are translation invariant; centring reduces cancellation).
+    ``Lb`` ``[H, b, T]`` logits over the whole context, ``V`` ``[H, T, Dv]`` values, ``Vc``
+    values centred per head (computed when not given; distances are translation invariant and
+    centring reduces cancellation).
 
     Off the row maximum, p_ij <= 1/2, so D_ij = p/(1-p) * ||v_j - O_i|| is well conditioned
     (||v_j - O_i||^2 by the expansion |v|^2 - 2 v.O + |O|^2). At the row's argmax j* (first
@@ -237,6 +241,8 @@ def _vi_block(Lb: torch.Tensor, V: torch.Tensor, Vc: torch.Tensor, eps: float) -
     exponentials directly. If every other position underflows (or T = 1), O^(-j*) is taken
     as the zero vector (removing the only attended key removes the whole output).
     """
+    if Vc is None:
+        Vc = V - V.mean(dim=1, keepdim=True)
     H, b, T = Lb.shape
     m, jstar = Lb.max(dim=-1, keepdim=True)            # first occurrence of the max
     E = torch.exp(Lb - m)                               # E[.., j*] == 1
@@ -272,7 +278,7 @@ def vi_scores(
     D_ij = ||O_i - O_i^(-j)|| = p_ij / (1 - p_ij) * ||v_j - O_i||, and
     s^VI_j = sqrt(mean_i D_ij^2 / (||O_i||^2 + eps)) for ``rms``; ``mean`` / ``max`` pool
     D_ij / sqrt(||O_i||^2 + eps) by mean / max. The p_ij -> 1 limit is handled exactly
-    (see :func:`_vi_block`). Computed in float32 (float64 for float64 inputs).
+    (see :func:`value_influence`). Computed in float32 (float64 for float64 inputs).
     """
     _check_qk(Q, K)
     _check_values(V, K)
@@ -287,7 +293,7 @@ def vi_scores(
     pool = RowPool(pooling)
     for a, b in _row_blocks(Q.shape[1], block_rows):
         Lb = scaling * (Q[:, a:b].to(cd) @ Kc.transpose(1, 2))
-        pool.update(_vi_block(Lb, Vf, Vc, eps))
+        pool.update(value_influence(Lb, Vf, eps, Vc))
     return pool.result()
 
 
@@ -486,6 +492,7 @@ __all__: Sequence[str] = (
     "pooled_softmax_scores",
     "ha_scores",
     "vi_scores",
+    "value_influence",
     "per_head_budgets",
     "global_budgets",
     "topk_anchors",

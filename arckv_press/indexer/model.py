@@ -45,6 +45,14 @@ plus the learned score. With ``init_std_x = init_bias_x = 0`` every head weight 
 training-free HA scores (tested); training then learns a value-aware correction of HA instead of
 a low-rank imitation of the attention it can compute exactly.
 
+With ``IndexerConfig.base_value_influence`` the base is VI instead of HA (also not in the paper):
+the logit adds ``log Dn_ij`` and every row's distribution is weighted by ``r_i = sum_j Dn_ij``
+before pooling, where ``Dn_ij = D_ij / sqrt(||O_i||^2 + eps)`` is VI's normalised leave-one-out
+influence (``compaction.select.value_influence``). At zero head weights ``r_i softmax_j(log
+Dn_ij) = Dn_ij``, so the pooled scores are exactly the training-free VI scores (tested), and
+training learns a correction of VI, the training-free selector with the least error at small
+kept fractions on the default model.
+
 Because ``L_c = L_v = 0`` at initialisation, ``c_i`` does not enter ``qbar`` and ``v_j`` does not
 enter ``kbar``: a query--key-only parameter set reproduces its logits exactly whatever ``U_*``
 are (the property stated in the paper), tested in ``tests/test_indexer.py``.
@@ -61,6 +69,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from arckv_press.compaction.select import value_influence
+
 __all__ = [
     "IndexerConfig",
     "ValueAwareIndexer",
@@ -74,6 +84,8 @@ __all__ = [
     "row_weights",
     "pair_logits",
     "layer_logits",
+    "layer_logits_and_row_weights",
+    "vi_base",
     "add_base_logits",
 ]
 
@@ -104,6 +116,8 @@ class IndexerConfig:
         base_logit_scale: if set, the residual form of the module docstring: the logit adds
             ``base_logit_scale * q . k``, the base model's attention logit (pass the model's
             softmax scale, ``AttentionLayout.scaling``). ``None`` (default): the paper's indexer.
+        base_value_influence: with ``base_logit_scale``, the residual base is VI instead of HA
+            (module docstring): logits add ``log Dn_ij`` and rows are weighted by ``sum_j Dn_ij``.
 
     The defaults ``H_I = 4, d_I = d_A = 16`` give 18,692 parameters per pair for the default
     model SmolLM2-135M (``d = 64``, ``d_x = 576``, 30 x 3 pairs): 1.68M parameters, 1.25% of
@@ -124,6 +138,7 @@ class IndexerConfig:
     init_std_x: float = 0.02
     init_bias_x: float = 1.0
     base_logit_scale: float | None = None
+    base_value_influence: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "d_x", "n_index_heads",
@@ -143,6 +158,9 @@ class IndexerConfig:
             raise ValueError(
                 f"IndexerConfig.base_logit_scale must be positive or None, got {self.base_logit_scale!r}"
             )
+        if self.base_value_influence and self.base_logit_scale is None:
+            raise ValueError("IndexerConfig.base_value_influence needs base_logit_scale (the model's softmax "
+                             "scale): VI's influence is computed from the model's attention logits")
         if self.value_attn_scale is not None and not (
             self.value_attn_scale > 0 and math.isfinite(self.value_attn_scale)
         ):
@@ -183,12 +201,14 @@ class IndexerConfig:
         return self.num_pairs * self.params_per_pair()
 
     def to_dict(self) -> dict[str, Any]:
-        """Fields as a dict; ``base_logit_scale`` only when set, so the paper's indexer keeps the
-        dict (and the run fingerprints and checkpoint metadata built from it) it had before the
-        residual form existed."""
+        """Fields as a dict; ``base_logit_scale`` and ``base_value_influence`` only when set, so
+        earlier indexers keep the dict (and the run fingerprints and checkpoint metadata built
+        from it) they had before these forms existed."""
         out = asdict(self)
         if out["base_logit_scale"] is None:
             del out["base_logit_scale"]
+        if not out["base_value_influence"]:
+            del out["base_value_influence"]
         return out
 
     @classmethod
@@ -302,20 +322,45 @@ def pair_logits(qbar: Tensor, kbar: Tensor, w: Tensor, slope: float = 0.1) -> Te
     return out
 
 
+VI_EPS = 1e-6  # eps of ||O_i||^2 in VI's normalisation, as compaction.select.vi_scores
+
+
 def add_base_logits(I: Tensor, Q: Tensor, K: Tensor, cfg: IndexerConfig) -> Tensor:
-    """``I + s_0 * Q K^T`` for the residual form (``cfg.base_logit_scale``), else ``I``."""
+    """``I + s_0 * Q K^T`` for the HA residual form (``cfg.base_logit_scale``), else ``I``."""
     if cfg.base_logit_scale is None:
         return I
     return I + (Q * cfg.base_logit_scale) @ K.transpose(1, 2)
 
 
-def layer_logits(p: dict[str, Tensor], cfg: IndexerConfig, X: Tensor, Q: Tensor, K: Tensor,
-                 V: Tensor) -> Tensor:
-    """Dense indexer logits ``I [H, n, T]`` for one layer's parameters ``p`` (differentiable)."""
+def vi_base(Q: Tensor, K: Tensor, V: Tensor, cfg: IndexerConfig) -> tuple[Tensor, Tensor]:
+    """The VI residual base (``cfg.base_value_influence``) of rows ``Q [H, n, D]`` over the whole
+    context ``K, V [H, T, D]``: ``(log Dn [H, n, T], r [H, n])`` with ``Dn`` VI's normalised
+    influence (paper Eq. (background_value_selectors)) and ``r_i = sum_j Dn_ij``. Data only (no
+    parameters): computed without autograd. Entries of ``Dn`` that underflow to 0 get the
+    log of the dtype's smallest normal number, so their softmax weight is ~0, as in VI."""
+    with torch.no_grad():
+        Dn = value_influence((Q * cfg.base_logit_scale) @ K.transpose(1, 2), V, VI_EPS)
+        return torch.log(Dn.clamp_min(torch.finfo(Dn.dtype).tiny)), Dn.sum(-1)
+
+
+def layer_logits_and_row_weights(p: dict[str, Tensor], cfg: IndexerConfig, X: Tensor, Q: Tensor,
+                                 K: Tensor, V: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Dense indexer logits ``I [H, n, T]`` for one layer's parameters ``p`` (differentiable),
+    and the row weights ``r [H, n]`` the pooling multiplies ``softmax_j(I)`` by (VI base), or
+    ``None`` (every other form: rows weigh alike)."""
     c = value_context(p, Q, K, V, cfg.attn_scale)
     I = pair_logits(query_features(p, Q, c, cfg), key_features(p, K, V, cfg),
                     row_weights(p, X), cfg.leaky_slope)
-    return add_base_logits(I, Q, K, cfg)
+    if cfg.base_value_influence:
+        log_dn, r = vi_base(Q, K, V, cfg)
+        return I + log_dn, r
+    return add_base_logits(I, Q, K, cfg), None
+
+
+def layer_logits(p: dict[str, Tensor], cfg: IndexerConfig, X: Tensor, Q: Tensor, K: Tensor,
+                 V: Tensor) -> Tensor:
+    """Dense indexer logits ``I [H, n, T]`` for one layer's parameters ``p`` (differentiable)."""
+    return layer_logits_and_row_weights(p, cfg, X, Q, K, V)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,6 +497,8 @@ class ValueAwareIndexer(nn.Module):
         of ``I`` uses a first pass for the log-partition and a second pass to accumulate the
         pooled statistic, so no ``[n, T]`` tensor is ever formed (peak intermediate
         ``[H, H_I, block_rows, block_T]``). When ``block_T >= T`` the logits are computed once.
+        The VI base (``base_value_influence``) needs each row's attention output over the whole
+        context, so it holds ``[H, block_rows, T]`` per row block, as ``vi_scores`` does.
         Runs without autograd (inference); training pools differentiable logits instead.
         Same arguments as :meth:`logits`; ``pooling`` in ``rms | mean | max``.
         """
@@ -472,9 +519,12 @@ class ValueAwareIndexer(nn.Module):
             Qb, Xb = Q[:, r0:r0 + block_rows], X[r0:r0 + block_rows]
             c = value_context(p, Qb, K, V, cfg.attn_scale, block_T, kv=kv)
             qbar, w = query_features(p, Qb, c, cfg), row_weights(p, Xb)
+            log_dn, r = vi_base(Qb, K, V, cfg) if cfg.base_value_influence else (None, None)
 
             def block_logits(j0: int, j1: int) -> Tensor:
                 I = pair_logits(qbar, kbar[:, j0:j1], w, cfg.leaky_slope)
+                if log_dn is not None:
+                    return I + log_dn[:, :, j0:j1]
                 return add_base_logits(I, Qb, K[:, j0:j1], cfg)
 
             if len(t_blocks) == 1:
@@ -493,6 +543,8 @@ class ValueAwareIndexer(nn.Module):
                 lse = (m + torch.log(s))[..., None]
                 probs = (torch.exp(block_logits(j0, j1) - lse) for j0, j1 in t_blocks)
             for (j0, j1), pi in zip(t_blocks, probs):
+                if r is not None:
+                    pi = pi * r[..., None]
                 if pooling == "rms":
                     acc[:, j0:j1] += pi.pow(2).sum(1)
                 elif pooling == "mean":

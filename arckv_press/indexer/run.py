@@ -113,9 +113,10 @@ class RunSettings:
     Attributes:
         train: :class:`TrainConfig` passed to :func:`train_layer`.
         indexer: :class:`IndexerConfig` overrides (``n_index_heads``, ``d_index``, ...).
-        residual: train the residual form (``IndexerConfig.base_logit_scale`` = the model's
-            softmax scale, head weights initialised at 0 so training starts from HA's scores;
-            not the paper's indexer, the form shipped for the default model).
+        residual: ``None`` (the paper's indexer), ``"ha"`` or ``"vi"``: train the residual form
+            (``IndexerConfig.base_logit_scale`` = the model's softmax scale, head weights
+            initialised at 0 so training starts from HA's, or with ``"vi"``
+            (``base_value_influence``) VI's, scores; not the paper's indexer).
         init_seed: seed of the indexer initialisation (the same full-model init in every shard).
         curve_pools: training pools used for the error curves of the budget weights.
         curve_fractions: kept fractions of the error curves (:mod:`.budget`).
@@ -125,7 +126,7 @@ class RunSettings:
 
     train: TrainConfig = field(default_factory=lambda: TrainConfig(**DEFAULTS))
     indexer: dict[str, Any] = field(default_factory=dict)
-    residual: bool = False
+    residual: str | None = None
     init_seed: int = 0
     curve_pools: int = 4
     curve_fractions: tuple[float, ...] = DEFAULT_FRACTIONS
@@ -134,11 +135,15 @@ class RunSettings:
 
     def indexer_config(self, model: Any) -> IndexerConfig:
         overrides = dict(self.indexer)
+        if self.residual not in (None, "ha", "vi"):
+            raise ValueError(f"RunSettings.residual must be None, 'ha' or 'vi', got {self.residual!r}")
         if self.residual:
             from arckv_press.models import describe_attention_layout
 
             overrides.update(base_logit_scale=describe_attention_layout(model).scaling,
                              init_std_x=0.0, init_bias_x=0.0)
+            if self.residual == "vi":
+                overrides.update(base_value_influence=True)
         return IndexerConfig.from_model_config(model.config, **overrides)
 
 
@@ -430,9 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--n-index-heads", type=int, default=None)
     t.add_argument("--d-index", type=int, default=None)
     t.add_argument("--d-value-attn", type=int, default=None)
-    t.add_argument("--residual", action="store_true",
-                   help="residual indexer (not the paper's; the shipped form for the default model): the logit adds the model's own attention "
-                        "logit and the head weights start at 0, so training starts from HA's scores")
+    t.add_argument("--residual", nargs="?", const="ha", choices=("ha", "vi"), default=None,
+                   help="residual indexer (not the paper's; the shipped form for the default model): the head weights start "
+                        "at 0 and the logit adds the model's own attention logit (ha, the default), so training starts "
+                        "from HA's scores, or VI's log-influence with VI's row weights (vi), so it starts from VI's")
     t.add_argument("--curve-pools", type=int, default=4)
     t.add_argument("--no-progress", action="store_true")
     return p

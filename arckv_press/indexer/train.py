@@ -44,7 +44,7 @@ from torch import Tensor
 from arckv_press.compaction.fit import FitConfig, compact_attention, fit_beta, fit_values, full_attention
 from arckv_press.compaction.reference import split_episode
 
-from .model import POOLINGS, ValueAwareIndexer, layer_logits
+from .model import POOLINGS, ValueAwareIndexer, layer_logits_and_row_weights, vi_base
 
 __all__ = [
     "ReferencePool",
@@ -265,10 +265,13 @@ def budget_for_ratio(ratio: float, T: int) -> int:
     return max(1, math.ceil(ratio * T - 1e-9))
 
 
-def pooled_scores(I: Tensor, pooling: str = "rms") -> Tensor:
+def pooled_scores(I: Tensor, pooling: str = "rms", row_weights: Tensor | None = None) -> Tensor:
     """Differentiable context-level scores ``s [H, T]`` from logits ``I [H, n, T]``
-    (paper Eq. (indexer_pooling): ``pi = softmax_j(I)``, then rms/mean/max over rows)."""
+    (paper Eq. (indexer_pooling): ``pi = softmax_j(I)``, then rms/mean/max over rows).
+    ``row_weights [H, n]`` (the VI residual base) multiply each row's ``pi`` first."""
     pi = torch.softmax(I, dim=-1)
+    if row_weights is not None:
+        pi = pi * row_weights[..., None]
     if pooling == "rms":
         return pi.pow(2).mean(dim=1).sqrt()
     if pooling == "mean":
@@ -285,17 +288,24 @@ def relative_output_error(y_hat: Tensor, y: Tensor) -> Tensor:
     return (num / den).mean()
 
 
-def kl_loss(I: Tensor, Q: Tensor, K: Tensor, scaling: float) -> Tensor:
+def kl_loss(I: Tensor, Q: Tensor, K: Tensor, scaling: float, target_logits: Tensor | None = None) -> Tensor:
     """``L_KL`` of paper Eq. (indexer_kl): mean over heads and rows of
     ``KL(p(q) || softmax(I))`` with ``p(q) = softmax(scaling * q K^T)``.
 
     ``I [H, n, T]`` indexer logits aligned with ``Q [H, n, D]``; ``K [H, T, D]``.
+    ``target_logits [H, n, T]`` replace the attention logits as the target (the VI residual
+    base anchors the learned correction to VI's row distribution, as the HA residual's target
+    is the attention it starts from).
     """
     if I.shape != (Q.shape[0], Q.shape[1], K.shape[1]):
         raise ValueError(f"kl_loss: I {tuple(I.shape)} must be [H, n, T] = "
                          f"[{Q.shape[0]}, {Q.shape[1]}, {K.shape[1]}]")
     with torch.no_grad():
-        log_p = torch.log_softmax(scaling * (Q.to(I.dtype) @ K.to(I.dtype).transpose(1, 2)), dim=-1)
+        if target_logits is None:
+            target_logits = scaling * (Q.to(I.dtype) @ K.to(I.dtype).transpose(1, 2))
+        elif target_logits.shape != I.shape:
+            raise ValueError(f"kl_loss: target_logits {tuple(target_logits.shape)} must match I {tuple(I.shape)}")
+        log_p = torch.log_softmax(target_logits.to(I.dtype), dim=-1)
     log_q = torch.log_softmax(I, dim=-1)
     return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
 
@@ -514,15 +524,17 @@ def _episode_loss(params: dict[str, Tensor], indexer: ValueAwareIndexer, pool: R
         rows = all_rows if kl_rows is all_rows else torch.cat([kl_rows, rows_s])
     else:
         rows = kl_rows if use_kl else rows_s
-    I = layer_logits(params, cfg, pool.X_rows(rows).to(device, dtype), Q[:, rows], K, V)
+    I, r = layer_logits_and_row_weights(params, cfg, pool.X_rows(rows).to(device, dtype), Q[:, rows], K, V)
     n_kl = kl_rows.numel() if use_kl else 0
     if use_kl:
-        l_kl = kl_loss(I[:, :n_kl], Q[:, kl_rows], K, pool.scaling)
+        target = vi_base(Q[:, kl_rows], K, V, cfg)[0] if cfg.base_value_influence else None
+        l_kl = kl_loss(I[:, :n_kl], Q[:, kl_rows], K, pool.scaling, target)
         loss = loss + stage.lambda_kl * l_kl
         stats["kl"] = float(l_kl.detach())
     if need_out:
         I_s = I[:, rows_s] if rows is all_rows else I[:, n_kl:]
-        s = pooled_scores(I_s, config.pooling)
+        r_s = None if r is None else (r[:, rows_s] if rows is all_rows else r[:, n_kl:])
+        s = pooled_scores(I_s, config.pooling, r_s)
         ratio = config.ratios[int(torch.randint(len(config.ratios), (1,), generator=gen))]
         Q_f, Q_h = Q[:, rows_f], Q[:, rows_h]
         with torch.no_grad():
