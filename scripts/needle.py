@@ -92,12 +92,21 @@ def case_key(method: str, ratio, length, depth, seed) -> tuple:
     return (method, round(float(ratio), 6), int(length), round(float(depth), 6), int(seed))
 
 
-def current_ids(methods, mid: str) -> dict[str, dict[str, str]]:
+def indexer_options(name: str, indexer: str | None) -> dict:
+    """``{"indexer": indexer}`` for a method that uses the learned indexer when a checkpoint path
+    is given (``--indexer``), else ``{}`` (the shipped checkpoint)."""
+    from arckv_press.registry import METHODS
+
+    return {"indexer": indexer} if indexer is not None and METHODS[name].uses_indexer else {}
+
+
+def current_ids(methods, mid: str, indexer: str | None = None) -> dict[str, dict[str, str]]:
     """Per method, the indexer checkpoint id and compaction config id its results must carry
-    (:func:`arckv_press.registry.result_ids`; empty strings where a method has none)."""
+    (:func:`arckv_press.registry.result_ids`; empty strings where a method has none);
+    ``indexer``: the checkpoint path of ``--indexer`` (default: the shipped one)."""
     from arckv_press.registry import result_ids
 
-    return {name: result_ids(name, mid) for name in {*methods, "none"}}
+    return {name: result_ids(name, mid, **indexer_options(name, indexer)) for name in {*methods, "none"}}
 
 
 class TimedPress:
@@ -134,14 +143,14 @@ def is_correct(value: str, answer: str) -> bool:
     return re.search(rf"(?<!\d){re.escape(value)}(?!\d)", answer) is not None
 
 
-def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle) -> dict:
+def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, indexer: str | None = None) -> dict:
     """One pipeline call; restores the model's attention implementation afterwards."""
     from arckv_press.attention import disable_compact_attention
     from arckv_press.registry import METHODS, make_press
     from transformers import DynamicCache
 
     options = {"tokenizer": tok} if METHODS[name].family in ("arckv", "am") else {}
-    press = make_press(name, ratio, **options)
+    press = make_press(name, ratio, **options, **indexer_options(name, indexer))
     timed = TimedPress(press)
     for module in attention_modules(model):  # stale KVzip masks from an earlier case
         module.masked_key_indices = None
@@ -192,7 +201,7 @@ def run(args, meta: dict) -> None:
 
     model, tok = load_model(args.model)
     mid = model_id(model)
-    ids = current_ids(args.methods, mid)
+    ids = current_ids(args.methods, mid, args.indexer)
     done = {case_key(r["method"], r["ratio"], r["length"], r["depth"], r["seed"]) for r in read_rows(args.out)
             if r["method"] in ids and is_current(r, ids[r["method"]])}  # a new checkpoint or default reruns its methods
     todo = [c for c in build_cases(args) if case_key(*c) not in done]
@@ -218,7 +227,7 @@ def run(args, meta: dict) -> None:
         text, needle, n_ctx = contexts[(length, depth, seed)]
         torch.manual_seed(seed)
         try:
-            result = run_case(pipe, model, tok, method, ratio, text, needle)
+            result = run_case(pipe, model, tok, method, ratio, text, needle, args.indexer)
         except ValueError as err:  # a method that cannot run here (e.g. context too short)
             tqdm.write(f"skipped {method} rho={ratio:g} length={length} depth={depth:g}: {err}")
             continue
@@ -332,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-full-cache", dest="full_cache", action="store_false", help="do not run method none")
     p.add_argument("--plot-only", action="store_true", help="only redraw the figures from the CSV")
     p.add_argument("--model", default=None, help="HF id or path (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--indexer", default=None,
+                   help="indexer checkpoint dir for the methods that use one (default: the shipped one); rows record "
+                        "its id, and the summary and figures show the shipped checkpoint's rows only")
     p.add_argument("--haystack", default=None, help="haystack text file (default: the Paul Graham essays)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"CSV (default {DEFAULT_OUT.relative_to(ROOT)})")

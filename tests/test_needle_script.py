@@ -40,3 +40,28 @@ def test_needle_rows_of_another_indexer_checkpoint_or_config_are_left_out(tmp_pa
     for method in ("arckv ", "arckv-ha "):
         line = next(line for line in out.splitlines() if line.startswith(method))
         assert line.split()[3:5] == ["1", "1.00"]
+
+
+def test_indexer_flag_reaches_the_press_and_the_row_ids(tmp_path, monkeypatch):
+    """``--indexer DIR``: the methods that use the learned indexer get that checkpoint (its id in
+    the rows and in the resume key), the others are unaffected."""
+    import torch
+
+    from arckv_press.indexer.checkpoint import checkpoint_id, save_indexer
+    from arckv_press.indexer.model import IndexerConfig, ValueAwareIndexer
+
+    needle = load_script("needle")
+    ck = tmp_path / "ck"
+    save_indexer(ValueAwareIndexer(IndexerConfig(num_layers=1, num_kv_heads=1, head_dim=4, d_x=4)), ck,
+                 model_id=DEFAULT_MODEL_ID, config_hash="x")
+    ids = needle.current_ids(["arckv", "arckv-ha"], DEFAULT_MODEL_ID, str(ck))
+    assert ids["arckv"]["indexer"] == checkpoint_id(ck) != indexer_id("arckv", DEFAULT_MODEL_ID)
+    assert ids["arckv-ha"]["indexer"] == "" and ids["arckv-ha"] == needle.current_ids(["arckv-ha"], DEFAULT_MODEL_ID)["arckv-ha"]
+    made = []
+    monkeypatch.setattr("arckv_press.registry.make_press", lambda name, ratio, **kw: made.append((name, kw)))
+    for name in ("arckv", "arckv-ha"):
+        try:
+            needle.run_case(None, torch.nn.Module(), "tok", name, 0.1, "ctx", None, str(ck))
+        except Exception:
+            pass  # the fake pipeline fails after the press is built
+    assert made == [("arckv", {"tokenizer": "tok", "indexer": str(ck)}), ("arckv-ha", {"tokenizer": "tok"})]
