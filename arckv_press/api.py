@@ -224,6 +224,7 @@ def _resolve_indexer(config: CompactionConfig, model):
     if config.method != "arckv":
         return None, None
     if config.indexer is not None and not isinstance(config.indexer, (str, Path)):
+        _check_indexer_shape(config.indexer, model)
         return config.indexer, None
     from arckv_press.indexer.checkpoint import default_indexer_path, load_indexer
     from arckv_press.models import config_hash, model_id
@@ -237,6 +238,25 @@ def _resolve_indexer(config: CompactionConfig, model):
         )
     indexer, _meta, budget_weights = load_indexer(path, model_id=mid, config_hash=config_hash(model.config))
     return indexer, budget_weights
+
+
+def _check_indexer_shape(indexer, model) -> None:
+    """A loaded indexer (no checkpoint metadata to compare) must have the model's layer, KV-head and
+    width sizes; a mismatch is an error naming both, not a shape failure deep inside its scores."""
+    from arckv_press.indexer.model import IndexerConfig
+
+    fields = ("num_layers", "num_kv_heads", "head_dim", "d_x")
+    have = getattr(indexer, "config", None)
+    if not isinstance(have, IndexerConfig):
+        raise TypeError(f"indexer must be a checkpoint path or a ValueAwareIndexer, got {type(indexer).__name__}")
+    want = IndexerConfig.from_model_config(model.config)
+    if any(getattr(have, f) != getattr(want, f) for f in fields):
+        raise ValueError(
+            "the indexer was built for another model: "
+            + ", ".join(f"{f}={getattr(have, f)}" for f in fields)
+            + " against the model's "
+            + ", ".join(f"{f}={getattr(want, f)}" for f in fields)
+        )
 
 
 def _reference_positions(T: int, G: int, config: CompactionConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +317,7 @@ def compact_prefilled(
     autograd on, the prefill, repeat-prefill and fits would keep their graphs alive (measured:
     a 2K-token document on the default model peaked at 16.9 GB of RSS instead of 2.5 GB).
     """
-    from arckv_press.models import config_hash, describe_attention_layout, model_id
+    from arckv_press.models import config_hash, describe_attention_layout, model_id, weights_fingerprint
 
     if context_ids.ndim != 2 or context_ids.shape[0] != 1:
         raise ValueError(f"compaction supports batch size 1 only, got context ids of shape {tuple(context_ids.shape)}")
@@ -436,6 +456,7 @@ def compact_prefilled(
         ratio=float(config.ratio),
         original_length=int(context_ids.shape[1]),
         package_version=__version__,
+        weights_fingerprint=weights_fingerprint(model),
         extra={"prefix_length": prefix_len, "lambda_m": config.lambda_m, "config_id": config_id(config),
                "report": report.__dict__},
     )

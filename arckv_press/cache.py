@@ -363,6 +363,7 @@ class CacheMetadata:
     original_length: int
     package_version: str
     extra: dict | None = None
+    weights_fingerprint: str | None = None  # models.weights_fingerprint; None in files saved before it
 
 
 class CompactCache(Cache):
@@ -431,11 +432,17 @@ class CompactCache(Cache):
         save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(path), metadata=header)
 
     @classmethod
-    def load(cls, path: str | Path, model) -> "CompactCache":
-        """Load a cache saved by :meth:`save` for ``model``; refuses a cache built for another model."""
+    def load(cls, path: str | Path, model, check_weights: bool = True) -> "CompactCache":
+        """Load a cache saved by :meth:`save` for ``model``; refuses a cache built for another model.
+
+        Another architecture is refused by :func:`~arckv_press.models.config_hash`; another model of
+        the same architecture (e.g. the base model of an instruct tune) by
+        :func:`~arckv_press.models.weights_fingerprint` (``check_weights=False`` skips that check,
+        for a deliberately converted model).
+        """
         from safetensors import safe_open
 
-        from arckv_press.models import config_hash, model_id
+        from arckv_press.models import config_hash, model_id, weights_fingerprint
 
         path = Path(path)
         if not path.exists():
@@ -451,6 +458,14 @@ class CompactCache(Cache):
                     f"{path} was built for model {meta.model_id!r} (config hash {meta.config_hash[:12]}), "
                     f"not for {want_id!r} (config hash {want_hash[:12]}); rebuild it with this model"
                 )
+            if check_weights and meta.weights_fingerprint is not None:
+                have = weights_fingerprint(model)
+                if have is not None and have != meta.weights_fingerprint:
+                    raise ValueError(
+                        f"{path} was built for model {meta.model_id!r} with other weights (fingerprint "
+                        f"{meta.weights_fingerprint}) than {want_id!r} has ({have}), though the architecture "
+                        "matches; rebuild it with this model"
+                    )
             device = next(model.parameters()).device
             layers: list[CacheLayerMixin] = []
             for i, kind in enumerate(json.loads(header["layers"])):

@@ -258,6 +258,26 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
+def weights_fingerprint(model: Any) -> str | None:
+    """12 hex digits of a SHA-256 over the first attention layer's ``k_proj`` and ``v_proj`` weights.
+
+    :func:`config_hash` cannot tell apart two models of one architecture (a base model and its
+    instruct tune); a compact cache holds keys and values of one of them only, so saved caches
+    record this too. The weights are rounded to bfloat16 first, so float32 and bfloat16 loads of
+    the same checkpoint agree. ``None`` for a model without ``k_proj`` / ``v_proj`` linears (then
+    nothing is compared).
+    """
+    for module in model.modules():
+        k_proj, v_proj = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        if isinstance(k_proj, torch.nn.Linear) and isinstance(v_proj, torch.nn.Linear):
+            digest = hashlib.sha256()
+            for weight in (k_proj.weight, v_proj.weight):
+                rounded = weight.detach().to(device="cpu", dtype=torch.bfloat16).view(torch.int16)
+                digest.update(rounded.contiguous().numpy().tobytes())
+            return digest.hexdigest()[:12]
+    return None
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, (set, tuple)):
         return sorted(value) if isinstance(value, set) else list(value)

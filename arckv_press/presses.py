@@ -204,7 +204,13 @@ class _CompactionPress(BasePress):
             return cached[1]
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        try:  # never downloads: the repeat-prefill must not reach the network behind the user's back
+            tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        except OSError as err:
+            raise ValueError(
+                f"{type(self).__name__} needs the model's tokenizer and found none for {name!r} on disk "
+                f"(it never downloads one): pass tokenizer=... ({err})"
+            ) from err
         object.__setattr__(self, "_loaded_tokenizer", (name, tokenizer))
         return tokenizer
 

@@ -415,6 +415,32 @@ def test_arckv_without_indexer(tiny_model, tiny_tokenizer):
     assert cache.get_seq_length() == 0
 
 
+def test_arckv_refuses_an_indexer_of_another_model(tiny_model, tiny_tokenizer, tmp_path):
+    """Through ``compact``: a checkpoint trained for another model (metadata), or a loaded indexer of
+    other sizes, is a clear error before any prefill; the matching checkpoint compacts."""
+    from arckv_press.indexer.checkpoint import save_indexer
+    from arckv_press.indexer.model import IndexerConfig, ValueAwareIndexer
+    from arckv_press.models import config_hash, model_id
+
+    model, other, tok = tiny_model("llama", num_layers=2), tiny_model("llama", num_layers=3), tiny_tokenizer()
+    text = make_text(200, seed=1)
+    theirs = ValueAwareIndexer(IndexerConfig.from_model_config(other.config), seed=0)
+    path = save_indexer(theirs, tmp_path / "other", model_id(other), config_hash(other.config))
+    with pytest.raises(ValueError, match="was trained for model"):
+        compact(model, tok, text, "arckv", 0.5, indexer=path)
+    with pytest.raises(ValueError, match="indexer was built for another model: num_layers=3"):
+        compact(model, tok, text, "arckv", 0.5, indexer=theirs)
+    with pytest.raises(TypeError, match="checkpoint path or a ValueAwareIndexer"):
+        compact(model, tok, text, "arckv", 0.5, indexer=object())
+    ours = ValueAwareIndexer(IndexerConfig.from_model_config(model.config), seed=0)
+    path = save_indexer(ours, tmp_path / "ours", model_id(model), config_hash(model.config))
+    with torch.inference_mode():
+        from_path, from_object = compact(model, tok, text, "arckv", 0.5, indexer=path), compact(
+            model, tok, text, "arckv", 0.5, indexer=ours)
+    for a, b in zip(from_path.layers, from_object.layers):
+        assert torch.equal(a.lengths, b.lengths) and torch.equal(a.ck, b.ck) and torch.equal(a.cv, b.cv)
+
+
 def test_on_policy_recaptures_queries_through_compacted_layers(tiny_model, tiny_tokenizer):
     """AM's on_policy option: layer 0 sees the same queries, deeper layers queries recomputed
     through the already compacted layers below them (so their caches differ)."""

@@ -260,6 +260,41 @@ def test_save_load_roundtrip(tiny_model, tmp_path):
         CompactCache.load(path, other)
 
 
+def test_weights_fingerprint_tells_apart_same_architecture_models(tiny_model, tmp_path):
+    """Same config, other weights (a base model and its tune): the saved cache is refused unless
+    ``check_weights=False``; a bf16 load of the same weights matches; files without it still load."""
+    from arckv_press.models import config_hash, model_id, weights_fingerprint
+
+    model, retrained = tiny_model("llama", num_layers=2, seed=0), tiny_model("llama", num_layers=2, seed=1)
+    assert config_hash(model) == config_hash(retrained)
+    assert weights_fingerprint(model) != weights_fingerprint(retrained)
+    halved = tiny_model("llama", num_layers=2, seed=0).to(torch.bfloat16)
+    assert weights_fingerprint(halved) == weights_fingerprint(model)
+    nudged = tiny_model("llama", num_layers=2, seed=0)
+    with torch.no_grad():  # one weight of the *last* layer: the fingerprint reads the first layer only
+        nudged.model.layers[-1].self_attn.k_proj.weight[0, 0] += 1.0
+    assert weights_fingerprint(nudged) == weights_fingerprint(model)
+    with torch.no_grad():
+        nudged.model.layers[0].self_attn.v_proj.weight[0, 0] += 1.0
+    assert weights_fingerprint(nudged) != weights_fingerprint(model)
+
+    with torch.no_grad():
+        dyn = DynamicCache(config=model.config)
+        model(torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(0)), past_key_values=dyn)
+    cache = identity_cache(dyn, prefix=2)
+    path, old_style = tmp_path / "c.arckv", tmp_path / "old.arckv"
+    cache.metadata = CacheMetadata(model_id(model), config_hash(model), "test", 1.0, 20, "0",
+                                   weights_fingerprint=weights_fingerprint(model))
+    cache.save(path)
+    CompactCache.load(path, model)
+    with pytest.raises(ValueError, match="with other weights"):
+        CompactCache.load(path, retrained)
+    assert CompactCache.load(path, retrained, check_weights=False).layers[0].lengths.tolist() == [18, 18]
+    cache.metadata = CacheMetadata(model_id(model), config_hash(model), "test", 1.0, 20, "0")
+    cache.save(old_style)
+    CompactCache.load(old_style, retrained)
+
+
 def test_default_attention_rejects_compact_working_copy(tiny_model):
     """Without the ARC-KV attention a compact cache fails loudly instead of answering wrongly."""
     model = tiny_model("llama", num_layers=2)

@@ -86,6 +86,9 @@ def test_ask_refuses_a_cache_built_for_another_model(tiny_model, tmp_path, capsy
     capsys.readouterr()
     assert cli.main(["--model", str(other), "--dtype", "float32", "ask", str(out), "q"]) == 2
     assert "was built for model" in capsys.readouterr().err
+    retrained = _tiny_folder(tiny_model, tmp_path / "c", seed=1)  # same architecture, other weights
+    assert cli.main(["--model", str(retrained), "--dtype", "float32", "ask", str(out), "q"]) == 2
+    assert "with other weights" in capsys.readouterr().err
 
 
 def test_bad_ratio_is_a_clear_error(tiny_model, tmp_path, capsys):

@@ -27,7 +27,9 @@ from arckv_press.api import CompactionConfig, compact_prefilled
 from arckv_press.attention import disable_compact_attention, enable_compact_attention
 from arckv_press.cache import CompactLayer
 from arckv_press.capture import framing_for
-from arckv_press.models import describe_attention_layout
+from arckv_press.indexer.checkpoint import save_indexer
+from arckv_press.indexer.model import IndexerConfig, ValueAwareIndexer
+from arckv_press.models import config_hash, describe_attention_layout, model_id
 from arckv_press.presses import ARCKVPress, AttentionMatchingPress
 from arckv_press.registry import METHOD_NAMES, METHODS, describe_methods, make_press, prefill_with_press
 
@@ -310,7 +312,10 @@ def test_every_registry_entry_end_to_end_tiny(tiny_model, tmp_path, name):
         with pytest.raises(ValueError, match="no value-aware indexer is shipped.*arckv-ha"):
             _ask(pipe, context, QUESTIONS_TINY[:1], press=press, cache=cache)
         assert _no_hooks(model)
-        return
+        # with a checkpoint trained for this model (here: freshly initialised) it runs end to end
+        indexer = ValueAwareIndexer(IndexerConfig.from_model_config(model.config), seed=0)
+        path = save_indexer(indexer, tmp_path / "indexer", model_id(model), config_hash(model.config))
+        press, cache = make_press(name, ratio, indexer=str(path)), DynamicCache()
     answers = _ask(pipe, context, QUESTIONS_TINY[:1], press=press, cache=cache)
     assert isinstance(answers[0], str) and answers[0]
     family = METHODS[name].family
@@ -469,3 +474,23 @@ def test_misuse_inside_the_block(tiny_model):
     with pytest.raises(ValueError, match=r"pass tokenizer=\.\.\."):
         with ARCKVPress(ratio=0.5, selector="ha")(model):
             pass
+
+
+def test_tokenizer_reload_never_downloads(tiny_model, monkeypatch):
+    """Without ``tokenizer=``, the press reloads it from ``config.name_or_path`` from disk only
+    (whatever HF_HUB_OFFLINE says); a tokenizer that is not on disk is a clear error."""
+    import transformers
+
+    calls = []
+
+    def not_on_disk(name, **kwargs):
+        calls.append((name, kwargs))
+        raise OSError(f"{name} is not in the local cache")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", not_on_disk)
+    model = tiny_model("llama", num_layers=2)
+    model.config.name_or_path = "some-org/not-cached-model"
+    with pytest.raises(ValueError, match=r"found none for 'some-org/not-cached-model' on disk.*pass tokenizer="):
+        with ARCKVPress(ratio=0.5, selector="ha")(model):
+            pass
+    assert calls == [("some-org/not-cached-model", {"local_files_only": True})]
