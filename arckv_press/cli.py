@@ -61,7 +61,7 @@ def cmd_ask(args) -> int:
     cache = CompactCache.load(args.cache, model)
     enable_compact_attention(model)
     answers = answer_many(model, tok, cache, args.questions, args.max_new_tokens, args.answer_prefix,
-                          batch_size=args.batch_size)
+                          batch_size=args.batch_size, progress=len(args.questions) > args.batch_size)
     for q, a in zip(args.questions, answers):
         print(f"Q: {q}\nA: {a}\n")
     return 0
@@ -73,7 +73,7 @@ def cmd_demo(args) -> int:
 
     from arckv_press.cache import cache_nbytes
     from arckv_press.haystack import load_haystack, make_needle, needle_context
-    from arckv_press.registry import make_press
+    from arckv_press.registry import METHODS, make_press
 
     model, tok = _load(args)
     needle = make_needle(args.seed)
@@ -87,7 +87,8 @@ def cmd_demo(args) -> int:
     for name in args.methods:
         ratio = 1.0 if name == "none" else args.ratio
         try:
-            press = make_press(name, ratio)
+            ours = METHODS[name].family in ("arckv", "am")  # our presses show per-layer progress bars
+            press = make_press(name, ratio, **({"progress": True} if ours else {}))
         except ValueError as err:  # e.g. no indexer shipped for this model
             print(f"{name:<20}{'-':>6}{'-':>11}{'-':>9}  skipped: {err}")
             continue

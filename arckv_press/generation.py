@@ -11,6 +11,7 @@ compacted block is shared by the batch (never copied per question); measured on 
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 
 from arckv_press.cache import cache_snapshot, restore_cache
 from arckv_press.capture import framing_for
@@ -58,8 +59,10 @@ def answer_many(
     use_chat_template: bool | None = None,
     context_length: int | None = None,
     batch_size: int = 16,
+    progress: bool = False,
 ) -> list[str]:
-    """Greedy answers to ``questions`` from one prefilled ``cache``, ``batch_size`` at a time.
+    """Greedy answers to ``questions`` from one prefilled ``cache``, ``batch_size`` at a time
+    (``progress``: a tqdm bar over the questions).
 
     Each answer equals :func:`answer` for that question alone (up to float rounding): questions
     are left-padded after the context, pads are masked, and every question continues at its own
@@ -72,9 +75,11 @@ def answer_many(
     if len(prefixes) != len(questions):
         raise ValueError(f"got {len(prefixes)} answer prefixes for {len(questions)} questions")
     answers: list[str] = []
-    for i in range(0, len(questions), batch_size):
-        answers += _greedy(model, tokenizer, cache, questions[i : i + batch_size], max_new_tokens,
-                           prefixes[i : i + batch_size], use_chat_template, context_length)
+    with tqdm(total=len(questions), desc="questions", unit="q", disable=not progress) as bar:
+        for i in range(0, len(questions), batch_size):
+            answers += _greedy(model, tokenizer, cache, questions[i : i + batch_size], max_new_tokens,
+                               prefixes[i : i + batch_size], use_chat_template, context_length)
+            bar.update(len(questions[i : i + batch_size]))
     return answers
 
 

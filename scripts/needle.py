@@ -266,8 +266,7 @@ def plot(csv_path: Path, out_dir: Path) -> list[Path]:
     ratios = sorted({k[1] for k in acc if k[0] != "none"}, reverse=True)
     order = {name: i for i, name in enumerate(("none",) + DEFAULT_METHODS)}
     model = rows[-1]["model"]
-    cmap = matplotlib.colormaps["RdYlGn"].copy()
-    cmap.set_bad("#dddddd")
+    cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="#dddddd")
     written = []
     for ratio in ratios:
         methods = sorted({k[0] for k in acc if k[1] == ratio}, key=lambda m: (order.get(m, 99), m))

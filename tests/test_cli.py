@@ -108,3 +108,24 @@ def test_compact_help_states_the_configs_defaults():
     defaults = CompactionConfig()
     assert f"(default {defaults.lambda_m})" in helps["lambda_m"]
     assert f"(default {defaults.min_head_fraction};" in helps["min_head_fraction"]
+
+
+def test_demo_runs_every_method_and_reports_real_cache_sizes(tiny_model, tmp_path, capsys):
+    """``arckv demo`` (the README's main job) on a tiny model: one row per method, in order; ``arckv``
+    without a shipped indexer is skipped with the reason; compacted caches hold fewer bytes than the
+    full one, and kvpress's SnapKV (which evicts) too."""
+    folder = _tiny_folder(tiny_model, tmp_path / "model", seed=0)
+    haystack = tmp_path / "hay.txt"
+    haystack.write_text(make_text(3000, seed=2), encoding="utf-8")
+    methods = ["none", "arckv", "arckv-ha", "am-omp-fast", "snapkv"]
+    assert cli.main(["--model", str(folder), "--dtype", "float32", "demo", "--tokens", "300", "--ratio", "0.25",
+                     "--haystack", str(haystack), "--max-new-tokens", "3", "--methods", *methods]) == 0
+    out = capsys.readouterr().out
+    assert "question:" in out and "context " in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in methods}
+    assert list(rows) == methods
+    assert "skipped:" in rows["arckv"] and "indexer" in " ".join(rows["arckv"])
+    assert rows["none"][1] == "1.00" and rows["arckv-ha"][1] == "0.25"
+    full = float(rows["none"][2])
+    for name in ("arckv-ha", "am-omp-fast", "snapkv"):
+        assert 0 < float(rows[name][2]) < 0.5 * full, (name, rows[name])

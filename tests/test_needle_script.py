@@ -65,3 +65,60 @@ def test_indexer_flag_reaches_the_press_and_the_row_ids(tmp_path, monkeypatch):
         except Exception:
             pass  # the fake pipeline fails after the press is built
     assert made == [("arckv", {"tokenizer": "tok", "indexer": str(ck)}), ("arckv-ha", {"tokenizer": "tok"})]
+
+
+def test_default_grid_is_the_issues_grid(tmp_path, monkeypatch):
+    """Without arguments: every default method x keep 20/10/5% x 1K/2K/4K/8K x five depths, plus the
+    full cache once per (length, depth, seed)."""
+    needle = load_script("needle")
+    seen = []
+    monkeypatch.setattr(needle, "run", lambda args, meta: seen.append(args))
+    assert needle.main(["--out", str(tmp_path / "n.csv")]) == 0
+    args = seen[0]
+    assert (args.ratios, args.lengths, args.depths, args.seeds) == ([0.2, 0.1, 0.05], [1000, 2000, 4000, 8000],
+                                                                     [0.0, 0.25, 0.5, 0.75, 1.0], [0])
+    assert set(needle.DEFAULT_METHODS) >= {"arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "kvzip", "snapkv"}
+    cases = needle.build_cases(args)
+    assert len(cases) == len(set(cases)) == 4 * 5 * (1 + 3 * len(needle.DEFAULT_METHODS))
+    assert sum(c[0] == "none" for c in cases) == 20
+
+
+def test_tiny_run_resumes_is_deterministic_and_draws_one_panel_per_method(tiny_model, tmp_path, monkeypatch, capsys):
+    """A real run on a tiny model: one row per case, a rerun finds every case done, a second run
+    with the same seed gives the same answers, and each kept fraction's figure has the full-cache
+    panel plus one panel per method."""
+    import matplotlib.figure
+
+    from conftest import build_tiny_tokenizer, make_text
+
+    needle = load_script("needle")
+    model = tiny_model("llama", num_layers=2, seed=0)
+    model.config.eos_token_id = 2
+    model.save_pretrained(tmp_path / "model")
+    build_tiny_tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "hay.txt").write_text(make_text(3000, seed=3), encoding="utf-8")
+    titles = {}
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path, **kw: titles.__setitem__(path.name, [a.get_title().split("\n")[0]
+                                                                              for a in fig.axes if a.get_title()]))
+    common = ["--model", str(tmp_path / "model"), "--haystack", str(tmp_path / "hay.txt"), "--lengths", "300",
+              "--depths", "0", "1", "--ratios", "0.5", "0.25", "--methods", "arckv-ha", "snapkv", "--threads", "1"]
+    first, second = tmp_path / "a" / "needle.csv", tmp_path / "b" / "needle.csv"
+    first.parent.mkdir(), second.parent.mkdir()
+    assert needle.main([*common, "--out", str(first)]) == 0
+    rows = needle.read_rows(first)
+    assert sorted((r["method"], r["ratio"], r["depth"]) for r in rows) == sorted(
+        [("none", "1", d) for d in ("0", "1")] + [(m, r, d) for m in ("arckv-ha", "snapkv") for r in ("0.5", "0.25")
+                                                  for d in ("0", "1")])
+    assert all(r["needle"] == rows[0]["needle"] and r["correct"] in ("0", "1") for r in rows)
+    by_method = {(r["method"], r["ratio"]): int(r["cache_bytes"]) for r in rows if r["depth"] == "0"}
+    assert by_method[("arckv-ha", "0.25")] < by_method[("arckv-ha", "0.5")] < by_method[("none", "1")]
+    assert titles == {"needle_rho0.5.png": ["full cache", "arckv-ha", "snapkv"],
+                      "needle_rho0.25.png": ["full cache", "arckv-ha", "snapkv"]}
+    capsys.readouterr()
+    assert needle.main([*common, "--out", str(first)]) == 0
+    assert "0 cases to run, 10 already in" in capsys.readouterr().out and len(needle.read_rows(first)) == 10
+    assert needle.main([*common, "--out", str(second)]) == 0
+    again = needle.read_rows(second)
+    assert [(r["method"], r["ratio"], r["depth"], r["answer"], r["cache_bytes"]) for r in again] == [
+        (r["method"], r["ratio"], r["depth"], r["answer"], r["cache_bytes"]) for r in rows]
