@@ -32,7 +32,11 @@ column ``config_id``: content id of the compaction options (ARC-KV and AM;
 Output ``<out-dir>/leaderboard.csv``: one row per (model, benchmark, task, method, ratio). A rerun
 merges with the existing file (same key: the row with the newer ``date`` wins, ties go to the new
 row); nothing is recomputed from the old rows except the ``full_score`` / ``nocontext_score``
-columns, which are looked up in the merged table. Plots: ``<benchmark>_score_vs_ratio.png``,
+columns, which are looked up in the merged table. Of a (model, benchmark, method), only the rows
+made with the indexer checkpoint and compaction options of its newest row stay there; the others
+(kept fractions not yet rerun after a new checkpoint or default) go to
+``<out-dir>/leaderboard_superseded.csv``, also merged. Column ``context_tokens``: mean tokens of
+the compacted documents (prefix included; from the records). Plots: ``<benchmark>_score_vs_ratio.png``,
 ``<benchmark>_score_vs_time.png`` and ``probes.png``.
 
 Usage: ``python scripts/make_leaderboard.py --results 'runs/**/results_*.json'
@@ -59,7 +63,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 FIELDS = [
     "model", "benchmark", "task", "method", "ratio", "score", "metric", "full_score", "nocontext_score",
-    "compaction_seconds", "cache_bytes", "full_cache_bytes", "realised_ratio", "indexer", "config_id", "n_examples",
+    "compaction_seconds", "cache_bytes", "full_cache_bytes", "realised_ratio", "context_tokens", "indexer", "config_id",
+    "n_examples",
     "n_records", "model_args", "source", "date", "package_version", "command",
 ]
 KEY = ("model", "benchmark", "task", "method", "ratio")
@@ -201,6 +206,7 @@ def record_stats(records: list[dict], task: str, is_group: bool = False) -> dict
         "cache_bytes": _mean(records, "cache_bytes"),
         "full_cache_bytes": _mean(records, "full_cache_bytes"),
         "realised_ratio": _mean(records, "realised_ratio"),
+        "context_tokens": _mean(records, "context_tokens"),
         "indexer": "+".join(sorted({str(r["indexer"]) for r in records if r.get("indexer")})),
         "config_id": "+".join(sorted({str(r["config_id"]) for r in records if r.get("config_id")})),
         "n_records": len(records),
@@ -324,6 +330,21 @@ def merge(old: list[dict], new: list[dict]) -> list[dict]:
         if k not in table or str(row.get("date", "")) >= str(table[k].get("date", "")):
             table[k] = row
     return [table[k] for k in sorted(table, key=lambda k: (*k[:4], float(k[4])))]
+
+
+def split_superseded(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """``(current, superseded)``: rows of a (model, benchmark, method) made with another indexer
+    checkpoint or other compaction options than that method's newest row are superseded (a new
+    checkpoint or default is rerun one kept fraction at a time), so a method's line never mixes
+    two configurations; they go to ``leaderboard_superseded.csv``, not to the table or the plots."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["model"], r["benchmark"], r["method"])].append(r)
+    current: list[dict] = []
+    for rs in groups.values():
+        current += newest_rows(rs)[1]
+    kept = {id(r) for r in current}
+    return [r for r in rows if id(r) in kept], [r for r in rows if id(r) not in kept]
 
 
 def fill_references(rows: list[dict]) -> None:
@@ -503,10 +524,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.fidelity or fidelity.exists():
         new += read_fidelity(fidelity, common)
 
-    out = out_dir / "leaderboard.csv"
-    rows = merge(read_csv(out), new)
+    out, old_out = out_dir / "leaderboard.csv", out_dir / "leaderboard_superseded.csv"
+    rows, superseded = split_superseded(merge(read_csv(out), new))
     fill_references(rows)
     write_csv(out, rows)
+    if superseded or old_out.exists():
+        superseded = merge(read_csv(old_out), superseded)
+        fill_references(superseded)
+        write_csv(old_out, superseded)
+        print(f"{len(superseded)} rows of an older checkpoint or older compaction options: {old_out}")
 
     if not args.no_plots:
         by_bench: dict[str, list[dict]] = defaultdict(list)

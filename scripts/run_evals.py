@@ -47,10 +47,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
+from arckv_press.registry import METHOD_NAMES  # noqa: E402
+
 DEFAULT_OUT = ROOT / "leaderboards" / "lm_eval"
 TASKS_DIR = ROOT / "tasks"
-DEFAULT_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha", "snapkv", "kvzip",
-                   "expected_attention")
+DEFAULT_METHODS = tuple(m for m in METHOD_NAMES if m != "none")  # every method; the full cache is a baseline run
 DEFAULT_RATIOS = (0.2, 0.1, 0.05, 0.02, 0.01)
 BENCHMARKS = ("ruler", "quality", "longbench")
 

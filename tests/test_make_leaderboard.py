@@ -252,3 +252,43 @@ def test_rows_made_under_older_compaction_defaults_are_left_out(ml, tmp_path):
     assert float(ha["score"]) == pytest.approx(0.8) and ha["config_id"] == "cfgnew111111" and ha["n_examples"] == "1"
     snap = row(rows, benchmark="fidelity", method="snapkv")
     assert snap["config_id"] == "" and float(snap["score"]) == pytest.approx(0.5)
+
+
+def test_rows_of_a_superseded_checkpoint_leave_the_table_whole(ml, tmp_path):
+    """A method rerun with a new checkpoint at one kept fraction: its other kept fractions (old
+    checkpoint) move to leaderboard_superseded.csv instead of sharing a line with the new one;
+    methods without ids are untouched; the context length comes from the records."""
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    runs, out = tmp_path / "runs", tmp_path / "lb"
+
+    def run(name, press, ratio, score, date, indexer):
+        path = results_json(runs / name / "results.json", "hf-arckv", f"pretrained={model},press={press},ratio={ratio}",
+                            {"ruler": score}, date)
+        records_jsonl(runs / name / "arckv_compaction.jsonl", press, ratio, [1.0, 3.0], ["ruler"])
+        lines = [json.loads(line) | {"indexer": indexer, "config_id": "cfg000000000"}
+                 for line in (runs / name / "arckv_compaction.jsonl").read_text().splitlines()]
+        (runs / name / "arckv_compaction.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        return path
+
+    run("old01", "arckv", 0.1, 0.30, 1.7e9, "old000000000")
+    run("old02", "arckv", 0.2, 0.36, 1.7e9, "old000000000")
+    run("snap", "snapkv", 0.1, 0.05, 1.6e9, "")
+    args = ["--results", str(runs / "*" / "results.json"), "--records", str(runs / "*" / "*.jsonl"),
+            "--out-dir", str(out), "--no-plots"]
+    ml.main(args)
+    assert {(r["method"], r["ratio"], r["indexer"]) for r in read(out / "leaderboard.csv")} == {
+        ("arckv", "0.1", "old000000000"), ("arckv", "0.2", "old000000000"), ("snapkv", "0.1", "")}
+    assert not (out / "leaderboard_superseded.csv").exists()
+    assert float(row(read(out / "leaderboard.csv"), method="arckv", ratio="0.1")["context_tokens"]) == 110
+
+    (runs / "old01").rename(runs / "moved")  # run_evals moves an old checkpoint's folder away ...
+    run("new01", "arckv", 0.1, 0.31, 1.8e9, "new111111111")  # ... and reruns that kept fraction
+    ml.main(["--results", str(runs / "new01" / "results.json"), "--records", str(runs / "new01" / "*.jsonl"),
+             "--out-dir", str(out), "--no-plots"])
+    current = read(out / "leaderboard.csv")
+    assert {(r["method"], r["ratio"], r["indexer"]) for r in current} == {
+        ("arckv", "0.1", "new111111111"), ("snapkv", "0.1", "")}
+    old = read(out / "leaderboard_superseded.csv")
+    assert [(r["method"], r["ratio"], r["indexer"], r["score"]) for r in old] == [("arckv", "0.2", "old000000000", "0.36")]
+    ml.main(["--out-dir", str(out), "--no-plots"])  # a rebuild keeps both files as they are
+    assert read(out / "leaderboard.csv") == current and read(out / "leaderboard_superseded.csv") == old
