@@ -129,3 +129,21 @@ def test_demo_runs_every_method_and_reports_real_cache_sizes(tiny_model, tmp_pat
     full = float(rows["none"][2])
     for name in ("arckv-ha", "am-omp-fast", "snapkv"):
         assert 0 < float(rows[name][2]) < 0.5 * full, (name, rows[name])
+
+
+def test_train_indexer_subcommand_is_the_training_script(monkeypatch, capsys):
+    """``arckv train-indexer ARGS`` hands ARGS unchanged to the training driver that
+    ``scripts/train_indexer.py`` runs, whose own parser (--layers, --merge, ...) answers --help."""
+    import pytest
+
+    import arckv_press.indexer.run as run
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train-indexer", "--help"])
+    assert exit_info.value.code == 0
+    usage = capsys.readouterr().out
+    assert "--layers" in usage and "--merge" in usage and "--residual" in usage
+    seen = []
+    monkeypatch.setattr(run, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["train-indexer", "--layers", "0,1", "--threads", "1"]) == 0
+    assert seen == [["--layers", "0,1", "--threads", "1"]]

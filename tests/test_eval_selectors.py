@@ -75,3 +75,28 @@ def test_dev_tokens_repack_the_same_held_out_articles_at_other_lengths():
     assert max(c.n_tokens for c in dev_s) <= 180
     # a checkpoint without a stored spec falls back to the 1,200-1,800-token contexts of the first release
     assert mod.dev_context_spec({}) == ContextSpec(1200, 1800)
+
+
+def test_per_head_budget_rows_use_the_weights_budgets():
+    """With budget weights, the indexer and HA (RMS pooling) also get a ``per-head`` row whose
+    anchors follow the weighted budgets t(l, h) (Eq. per_head_budget), recomputed here."""
+    mod = load_script("eval_selectors")
+    pool = _pool(seed=2)
+    cfg = IndexerConfig(num_layers=1, num_kv_heads=2, head_dim=8, d_x=16, n_index_heads=2, d_index=4, d_value_attn=4)
+    idx = ValueAwareIndexer(cfg, seed=0)
+    weights = torch.tensor([[3.0, 1.0]])
+    weights_layer = lambda T, rho: per_head_budgets(T, rho, weights, 1, 2)[0]  # noqa: E731
+    rows = list(mod.evaluate_layer(pool, 0, idx, idx, weights_layer, (0.2, 0.1), 0.25, 3, False))
+    fit, hold = fit_holdout_split(pool, 0.25, 3)
+    for rho in (0.2, 0.1):
+        per_head = {r["selector"]: r for r in rows if r["ratio"] == rho and r["budgets"] == "per-head"}
+        assert set(per_head) == {"indexer", "ha"} and all(r["pooling"] == "rms" for r in per_head.values())
+        budgets = weights_layer(pool.T, rho)
+        assert budgets[0] > budgets[1]  # the weights really shift the budget
+        i, v = topk_anchors(ha_scores(pool.Q[:, fit], pool.K, pool.scaling, pooling="rms"), budgets)
+        ref = heldout_error(pool.Q[:, fit], pool.Q[:, hold], pool.K, pool.V, pool.scaling, i, v)
+        torch.testing.assert_close(per_head["ha"]["err"], ref)
+        assert per_head["ha"]["kept"] == float(budgets.sum()) / (2 * pool.T)
+        uniform = next(r for r in rows if r["ratio"] == rho and r["selector"] == "ha" and r["pooling"] == "rms"
+                       and r["budgets"] == "uniform")
+        assert not torch.equal(uniform["err"], per_head["ha"]["err"])

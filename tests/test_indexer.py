@@ -866,3 +866,77 @@ def test_kl_of_the_vi_residual_is_zero_at_initialisation_and_targets_vi():
     log_q = scipy.special.log_softmax(I.detach().double().numpy(), axis=-1)
     ref = (p * (np.log(p) - log_q)).sum(-1).mean()
     assert kl_loss(I, Q, K, 0.3, target).item() == pytest.approx(ref, rel=1e-4)
+
+
+def test_paper_optimiser_settings_reach_training(monkeypatch):
+    """TrainConfig's defaults are the paper's training details, and ``train_layer`` really uses
+    them: one AdamW per stage at the stage's peak lr with betas (0.9, 0.999) and weight decay 0.01,
+    a gradient-norm clip of 1.0 at every step, and each joint episode's retention ratio drawn from
+    the five (all of them over enough episodes)."""
+    import dataclasses
+
+    import arckv_press.indexer.train as train_mod
+
+    cfg = TrainConfig()
+    assert (cfg.kl_epochs, cfg.joint_epochs, cfg.lr_kl, cfg.lr_joint, cfg.warmup_frac, cfg.final_lr_frac) == (
+        10, 5, 1e-4, 3e-5, 0.03, 0.1)
+    assert (cfg.betas, cfg.weight_decay, cfg.grad_clip, cfg.lambda_out, cfg.lambda_kl) == ((0.9, 0.999), 0.01, 1.0, 2.0, 1.0)
+    assert (cfg.ratios, cfg.gamma_start, cfg.gamma_end) == ((0.2, 0.1, 0.05, 0.02, 0.01), 1.0, 0.1)
+
+    optimisers, clips, ratios = [], [], []
+    real_adamw, real_clip, real_hard = torch.optim.AdamW, torch.nn.utils.clip_grad_norm_, train_mod.hard_branch_loss
+
+    def adamw(params, **kw):
+        optimisers.append(kw)
+        return real_adamw(params, **kw)
+
+    def clip(params, max_norm, *args, **kw):
+        clips.append(max_norm)
+        return real_clip(params, max_norm, *args, **kw)
+
+    def hard(s, Q_f, Q_h, K, V, scaling, ratio, **kw):
+        ratios.append(ratio)
+        return real_hard(s, Q_f, Q_h, K, V, scaling, ratio, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", adamw)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    monkeypatch.setattr(train_mod, "hard_branch_loss", hard)
+    pools = _small_pools(4)
+    config = dataclasses.replace(cfg, kl_epochs=1, joint_epochs=6, kl_max_rows=12)
+    train_layer(ValueAwareIndexer(tiny_config(), seed=1), 1, pools, config, progress=False)
+    assert [(o["lr"], o["betas"], o["weight_decay"]) for o in optimisers] == [(1e-4, (0.9, 0.999), 0.01),
+                                                                             (3e-5, (0.9, 0.999), 0.01)]
+    assert clips == [1.0] * (1 + 6) * len(pools)
+    assert len(ratios) == 6 * len(pools) and set(ratios) == set(cfg.ratios)
+
+
+@pytest.mark.model
+def test_shipped_checkpoint_is_the_default_models_and_arckv_uses_it(default_model_fp32):
+    """The checkpoint inside the package loads for the real default model (model id and config
+    hash), is 1-2% of its parameters and a few MB, carries its training summary and budget
+    weights, and is what method ``arckv`` uses when no indexer is given."""
+    from arckv_press.api import compact
+    from arckv_press.indexer.checkpoint import checkpoint_id
+    from arckv_press.models import DEFAULT_MODEL_ID, model_id
+    from arckv_press.registry import indexer_id
+    from conftest import make_text
+
+    model, tok = default_model_fp32
+    path = default_indexer_path(DEFAULT_MODEL_ID)
+    assert path is not None and model_id(model) == DEFAULT_MODEL_ID
+    indexer, meta, weights = load_indexer(path, model_id=DEFAULT_MODEL_ID, config_hash=config_hash(model.config))
+    share = sum(p.numel() for p in indexer.parameters()) / sum(p.numel() for p in model.parameters())
+    assert 0.01 <= share <= 0.02, share
+    assert sum(f.stat().st_size for f in path.iterdir()) < 10 * 2**20
+    assert meta.package_version and meta.created and {"command", "context_spec", "budget_weights"} <= set(meta.training)
+    assert weights.shape == (30, 3) and torch.isfinite(weights).all() and (weights >= 0).all()
+    assert checkpoint_id(path) == indexer_id("arckv", DEFAULT_MODEL_ID)
+
+    text = make_text(300, seed=6)
+    with torch.inference_mode():
+        default = compact(model, tok, text, "arckv", 0.2)
+        explicit = compact(model, tok, text, "arckv", 0.2, indexer=str(path))
+        ha = compact(model, tok, text, "arckv-ha", 0.2)
+    for a, b in zip(default.layers, explicit.layers):
+        assert torch.equal(a.lengths, b.lengths) and torch.equal(a.ck, b.ck) and torch.equal(a.cv, b.cv)
+    assert any(not torch.equal(a.ck, b.ck) for a, b in zip(default.layers, ha.layers))
