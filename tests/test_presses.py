@@ -159,17 +159,30 @@ def test_ratio_one_answers_as_no_press_tiny(tiny_model, family, init, press_cls,
 
 
 @pytest.mark.model
-def test_ratio_one_answers_as_no_press_default(fp32_model):
+@pytest.mark.parametrize("make", [lambda: ARCKVPress(ratio=1.0, selector="ha"),
+                                  lambda: AttentionMatchingPress(ratio=1.0, variant="omp-fast")],
+                         ids=["arckv-ha", "am-omp-fast"])
+def test_ratio_one_answers_as_no_press_default(fp32_model, make):
     model, tok = fp32_model
     pipe = _pipe(model, tok)
-    ref = _ask(pipe, DEFAULT_CONTEXT, QUESTIONS_DEFAULT[:1], max_new_tokens=10)
-    press = ARCKVPress(ratio=1.0, selector="ha")  # tokenizer reloaded from config.name_or_path (local folder)
+    questions = QUESTIONS_DEFAULT[:2]
+    ref = _ask(pipe, DEFAULT_CONTEXT, questions, max_new_tokens=10)
+    assert len(set(ref)) == 2  # the answers depend on the question (the comparison can fail)
+    press = make()  # tokenizer reloaded from config.name_or_path (local folder)
     cache = DynamicCache()
-    out = _ask(pipe, DEFAULT_CONTEXT, QUESTIONS_DEFAULT[:1], press=press, cache=cache, max_new_tokens=10)
+    out = _ask(pipe, DEFAULT_CONTEXT, questions, press=press, cache=cache, max_new_tokens=10)
     assert out == ref
-    assert all(isinstance(layer, CompactLayer) for layer in cache.layers)
-    assert all(bool((layer.beta == 0).all()) for layer in cache.layers)
-    assert press.last_report.prefix_length == len(framing_for(tok).prefix_ids) > 0
+    P = press.last_report.prefix_length
+    assert P == len(framing_for(tok).prefix_ids) > 0
+    ids = _context_ids(pipe, DEFAULT_CONTEXT)
+    dyn = DynamicCache()
+    with torch.inference_mode():
+        model.model(input_ids=ids, past_key_values=dyn)
+    T = ids.shape[1] - P
+    for layer, plain in zip(cache.layers, dyn.layers):  # every position kept, beta = 0, the prefill's values
+        assert isinstance(layer, CompactLayer) and layer.lengths.tolist() == [T] * 3
+        assert bool((layer.beta == 0).all())
+        torch.testing.assert_close(layer.cv.view(3, T, -1), plain.values[0, :, P:], atol=0, rtol=0)
 
 
 # --------------------------------------------------------------------------- several questions, one compaction
@@ -186,11 +199,12 @@ def _one_compaction_many_questions(monkeypatch, model, tok, context, questions, 
     return shared
 
 
-def test_questions_share_one_compaction_tiny(tiny_model, monkeypatch):
+@pytest.mark.parametrize("press_cls, kw", [(ARCKVPress, {"selector": "ha"}), (AttentionMatchingPress, {"variant": "omp-fast"})])
+def test_questions_share_one_compaction_tiny(tiny_model, monkeypatch, press_cls, kw):
     model, tok = tiny_model("llama", num_layers=2, initializer_range=TINY_INIT), _word_tokenizer()
     context = _tiny_context()
     shared = _one_compaction_many_questions(
-        monkeypatch, model, tok, context, QUESTIONS_TINY, lambda: ARCKVPress(ratio=0.3, selector="ha", tokenizer=tok), 8
+        monkeypatch, model, tok, context, QUESTIONS_TINY, lambda: press_cls(ratio=0.3, tokenizer=tok, **kw), 8
     )
     assert len(set(shared)) > 1
     full = _ask(_pipe(model, tok), context, QUESTIONS_TINY)
@@ -432,6 +446,20 @@ def test_unsupported_model_gpt2():
     with pytest.raises(ValueError, match="GPT2LMHeadModel .*not supported by ARC-KV.*rotary"):
         with ARCKVPress(ratio=0.5, selector="ha", tokenizer=_word_tokenizer())(model):
             pass
+
+
+def test_unsupported_model_with_rope_but_fused_projections():
+    """Phi-3 has RoPE and GQA but one fused qkv_proj: refused by both presses, naming the reason."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                        intermediate_size=64, vocab_size=128, pad_token_id=0)
+    model = Phi3ForCausalLM(config).eval()
+    for press in (ARCKVPress(ratio=0.5, selector="ha", tokenizer=_word_tokenizer()),
+                  AttentionMatchingPress(ratio=0.5, tokenizer=_word_tokenizer())):
+        with pytest.raises(ValueError, match=r"Phi3ForCausalLM .*not supported by ARC-KV.*no q_proj/k_proj \(fused"):
+            with press(model):
+                pass
 
 
 def test_batch_of_two_is_rejected(tiny_model):
