@@ -216,19 +216,20 @@ def print_model_summary(results: dict, args, methods: list[str]) -> None:
     for length in args.lengths:
         pre = results[("none", 1.0, length)]["prefill"]
         for ratio in args.ratios:
-            arc = results.get(("arckv-ha", ratio, length))
-            if arc is None:
-                continue
-            arc_layers = sum(arc.get(s, 0.0) for s in ARCKV_STAGES[1:])
-            parts = [f"{length:>6} tok, rho {ratio:g}:"]
-            for omp in ("am-omp", "am-omp-fast"):
-                o = results.get((omp, ratio, length))
-                if o is not None:
-                    parts.append(f"{omp}/arckv-ha {o['am_total'] / arc_layers:.2f}x per-layer, "
-                                 f"{o['compact_total'] / arc['compact_total']:.2f}x end-to-end;")
-            parts.append(f"arckv-ha beyond repeat-prefill / prefill = {arc_layers / pre:.2f}, "
-                         f"repeat-prefill / prefill = {arc.get('repeat_prefill', 0.0) / pre:.2f}")
-            print(" ".join(parts))
+            for name in ("arckv", "arckv-ha", "arckv-vi"):  # each ARC-KV variant of the run against OMP
+                arc = results.get((name, ratio, length))
+                if arc is None:
+                    continue
+                arc_layers = sum(arc.get(s, 0.0) for s in ARCKV_STAGES[1:])
+                parts = [f"{length:>6} tok, rho {ratio:g}:"]
+                for omp in ("am-omp", "am-omp-fast"):
+                    o = results.get((omp, ratio, length))
+                    if o is not None:
+                        parts.append(f"{omp}/{name} {o['am_total'] / arc_layers:.2f}x per-layer, "
+                                     f"{o['compact_total'] / arc['compact_total']:.2f}x end-to-end;")
+                parts.append(f"{name} beyond repeat-prefill / prefill = {arc_layers / pre:.2f}, "
+                             f"repeat-prefill / prefill = {arc.get('repeat_prefill', 0.0) / pre:.2f}")
+                print(" ".join(parts))
 
 
 def _synthetic_indexer(H: int, D: int):

@@ -8,6 +8,8 @@ import importlib.util
 import math
 from pathlib import Path
 
+from conftest import assert_ratio_of_rounded
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
 
 
@@ -32,4 +34,9 @@ def test_bench_decode_tiny_grid(tmp_path, capsys):
         # bytes: full = B (T + A) rows of K and V; compact = 3 heads x 16 entries (2 D float32 + beta) + B x A rows
         assert int(r["full_bytes"]) == B * 3 * (64 + 5) * 2 * 64 * 4
         assert int(r["compact_bytes"]) == 3 * 16 * (2 * 64 * 4 + 4) + B * 3 * 5 * 2 * 64 * 4
+        # kvpress: a pruning press keeps int(rho T) rows per head and sequence; a masking press (KVzip) all of them
+        assert int(r["kvpress_pruned_bytes"]) == B * 3 * (int(0.25 * 64) + 5) * 2 * 64 * 4
+        assert int(r["kvpress_masked_bytes"]) == int(r["full_bytes"])
+        for ratio, num, den in (("compact_over_full", "compact_ms", "full_ms"), ("compact_over_pruned", "compact_ms", "pruned_ms")):
+            assert_ratio_of_rounded(float(r[ratio]), float(r[num]), float(r[den]), csv_decimals=3, print_decimals=3)
     assert "e/c = expand / (inputs + attn)" in capsys.readouterr().out
