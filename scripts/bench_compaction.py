@@ -62,8 +62,8 @@ DEFAULT_OUT = ROOT / "leaderboards" / "bench_compaction.csv"
 COMPACTION_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha")
 KVPRESS_METHODS = ("snapkv", "kvzip", "expected_attention")
 ARCKV_STAGES = ("repeat_prefill", "selection", "fit_rows", "merge", "beta_fit", "value_fit")
-FIELDS = ["section", "method", "ratio", "length", "stage", "seconds", "repeats", "threads", "dtype",
-          "command", "date", "package_version", "machine"]
+FIELDS = ["section", "method", "ratio", "length", "stage", "seconds", "repeats", "threads", "dtype", "indexer",
+          "config_id", "command", "date", "package_version", "machine"]
 
 
 
@@ -146,12 +146,16 @@ def model_section(args, meta: dict) -> list[dict]:
     rows: list[dict] = []
     results: dict[tuple, dict[str, float]] = {}
 
+    from arckv_press.registry import result_ids
+
+    method_ids = {m: result_ids(m, mid) for m in methods if m != "none"}  # checkpoint and options behind each time
+
     def record(method, ratio, length, stages):
         results[(method, ratio, length)] = stages
         for stage, sec in stages.items():
             rows.append({"section": "model", "method": method, "ratio": f"{ratio:g}", "length": length, "stage": stage,
                          "seconds": f"{sec:.4f}", "repeats": args.repeats, "threads": torch.get_num_threads(),
-                         "dtype": dtype, **meta})
+                         "dtype": dtype, **method_ids.get(method, {}), **meta})
 
     with torch.inference_mode():
         # warm-up (untimed): a prefill and each kvpress press on a short context; each ARC-KV / AM

@@ -35,6 +35,13 @@ def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys
     rows = list(csv.DictReader(out.open()))
     assert {r["dtype"] for r in rows} == {"float32"} and {r["length"] for r in rows} == {"300"}
     sec = {(r["method"], r["stage"]): float(r["seconds"]) for r in rows}
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.registry import result_ids
+
+    for r in rows:  # every time names the checkpoint and options it was measured with
+        assert {"indexer": r["indexer"], "config_id": r["config_id"]} == (
+            result_ids(r["method"], DEFAULT_MODEL_ID) if r["method"] != "none" else {"indexer": "", "config_id": ""})
+    assert {r["indexer"] for r in rows if r["method"] == "arckv"} != {""}
     printed = capsys.readouterr().out.splitlines()
     for name in ("arckv", "arckv-ha"):  # the learned indexer and HA anchors, each against OMP-fast
         arc_layers = sum(sec[(name, s)] for s in mod.ARCKV_STAGES[1:])
