@@ -117,7 +117,7 @@ def test_demo_runs_every_method_and_reports_real_cache_sizes(tiny_model, tmp_pat
     folder = _tiny_folder(tiny_model, tmp_path / "model", seed=0)
     haystack = tmp_path / "hay.txt"
     haystack.write_text(make_text(3000, seed=2), encoding="utf-8")
-    methods = ["none", "arckv", "arckv-ha", "am-omp-fast", "snapkv"]
+    methods = ["none", "arckv", "arckv-ha", "am-omp-fast", "snapkv", "no-such-method"]
     assert cli.main(["--model", str(folder), "--dtype", "float32", "demo", "--tokens", "300", "--ratio", "0.25",
                      "--haystack", str(haystack), "--max-new-tokens", "3", "--methods", *methods]) == 0
     out = capsys.readouterr().out
@@ -125,6 +125,7 @@ def test_demo_runs_every_method_and_reports_real_cache_sizes(tiny_model, tmp_pat
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in methods}
     assert list(rows) == methods
     assert "skipped:" in rows["arckv"] and "indexer" in " ".join(rows["arckv"])
+    assert "skipped:" in rows["no-such-method"] and "unknown method" in " ".join(rows["no-such-method"])
     assert rows["none"][1] == "1.00" and rows["arckv-ha"][1] == "0.25"
     full = float(rows["none"][2])
     for name in ("arckv-ha", "am-omp-fast", "snapkv"):
