@@ -10,7 +10,8 @@ and the no-context baseline (``drop_document=True``). Each run writes
     <out>/<benchmark>/<method>_<ratio>/requests.db          lm-eval's request cache (resume)
 
 A run whose ``results.json`` exists is skipped; an interrupted run resumes from its request
-cache (answered requests are not recomputed). Runs record the learned indexer
+cache (answered requests are not recomputed) and appends to its compaction records (a document
+compacted twice counts once, with its last record, in ``make_leaderboard.py``). Runs record the learned indexer
 checkpoint's id (``arckv``; ``arckv_run.indexer``, and ``indexer`` in each record) and the id of
 the compaction options (ARC-KV and AM; ``config_id``, :func:`arckv_press.api.config_id`); when
 another checkpoint is shipped or a default changes, such a folder moves to
@@ -167,7 +168,7 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[
     drop = run.method == "no-context"
     lm = HFArcKV(
         pretrained=model, tokenizer=tokenizer, press="none" if drop else run.method, ratio=run.ratio,
-        drop_document=drop, records=str(folder / "arckv_compaction.jsonl"), batch_size=1,
+        drop_document=drop, records=str(folder / "arckv_compaction.jsonl"), append_records=True, batch_size=1,
         max_length=args.max_length,
     )
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=dict(metadata))

@@ -508,3 +508,42 @@ def test_drop_document_is_the_no_context_baseline(inprocess_runs):
     gen = Instance("generate_until", {}, (context, {"until": ["\n"], "max_gen_toks": 4}), 0, ("t", 0, 1))
     (text,) = lm.generate_until([gen], disable_tqdm=True)
     assert isinstance(text, str) and lm.n_compactions == 0
+
+
+def test_append_records_keeps_the_records_of_a_resumed_run(tiny_model, tmp_path, monkeypatch):
+    """A run resumed from lm-eval's request cache compacts only the documents it had not answered:
+    with ``append_records`` the earlier records stay (readers keep a document's last record);
+    without it a new run starts the file afresh. run_evals.py always appends (a folder of another
+    checkpoint or options is moved away before it would be resumed)."""
+    from arckv_press.lm_eval.model import HFArcKV
+    from conftest import build_tiny_tokenizer, load_script
+
+    model, tok = tiny_model("llama", num_layers=2), build_tiny_tokenizer()
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps({"document_index": 0, "compaction_seconds": 1.0}) + "\n")
+    resumed = HFArcKV(pretrained=model, tokenizer=tok, press="snapkv", ratio=0.5, records=str(path), append_records="True")
+    resumed._write_record({"document_index": 1, "compaction_seconds": 2.0})
+    resumed._write_record({"document_index": 2, "compaction_seconds": 3.0})
+    assert [json.loads(line)["document_index"] for line in path.read_text().splitlines()] == [0, 1, 2]
+    fresh = HFArcKV(pretrained=model, tokenizer=tok, press="snapkv", ratio=0.5, records=str(path))
+    fresh._write_record({"document_index": 0, "compaction_seconds": 4.0})
+    fresh._write_record({"document_index": 1, "compaction_seconds": 5.0})
+    assert [json.loads(line)["compaction_seconds"] for line in path.read_text().splitlines()] == [4.0, 5.0]
+
+    re_ = load_script("run_evals")
+    made = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(**kwargs):
+        made.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr("arckv_press.lm_eval.model.HFArcKV", capture)
+    import argparse
+
+    args = argparse.Namespace(out=tmp_path / "runs", limit=1, ruler_length=2048, max_length=8192, dtype="float32")
+    with pytest.raises(Stop):
+        re_.execute(re_.Run("ruler", "snapkv", 0.5), args, model, tok, None)
+    assert made["append_records"] is True and made["records"].endswith("arckv_compaction.jsonl")

@@ -292,6 +292,9 @@ class HFArcKV(HFLM):
         lambda_m: key-merging coefficient (ARC-KV presses only; default: the press's).
         indexer: indexer checkpoint path (``press=arckv`` only).
         records: JSON-lines file for the per-document records (default: next to ``--output_path``).
+        append_records: append to an existing records file instead of starting it afresh (a run
+            resumed from lm-eval's request cache compacts only the documents not answered before;
+            readers keep the last record of a document compacted twice). Default False.
         max_cached_docs: size of the LRU of prefilled documents (default 1: requests are grouped
             by document, so one is enough within an lm-eval call).
         drop_document: the no-context baseline (the document text is removed from every prompt;
@@ -309,6 +312,7 @@ class HFArcKV(HFLM):
         lambda_m: float | None = None,
         indexer: str | None = None,
         records: str | None = None,
+        append_records: bool | str = False,
         max_cached_docs: int = 1,
         drop_document: bool | str = False,
         device: str | None = None,
@@ -353,7 +357,7 @@ class HFArcKV(HFLM):
         self._n_compactions = 0
         self._n_without_document = 0
         self._records_file = self._resolve_records_path(records)
-        self._records_started = False
+        self._records_started = _as_bool(append_records, "append_records")  # True: never truncate
         self._pending_meta: list[tuple[str | None, Any]] | None = None
 
     # ------------------------------------------------------------------ setup
