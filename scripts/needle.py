@@ -300,7 +300,7 @@ def plot(csv_path: Path, out_dir: Path) -> list[Path]:
             ax.axis("off")
         if image is not None:
             fig.colorbar(image, ax=axes, shrink=0.8, label="exact retrieval")
-        fig.suptitle(f"Needle in a haystack, kept fraction rho = {ratio:g} ({model})", fontsize=10)
+        fig.suptitle(f"Needle in a haystack, kept fraction rho = {ratio:g} ({model}; grey: not run)", fontsize=10)
         path = out_dir / f"needle_rho{ratio:g}.png"
         fig.savefig(path, dpi=130)
         plt.close(fig)
