@@ -252,6 +252,9 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
         }
         if recs:
             row.update(record_stats(recs, task, task in groups))
+        for key in ("indexer", "config_id"):  # the run's own ids (run_evals.py), even for a task without records
+            if (data.get("arckv_run") or {}).get(key):
+                row[key] = str(data["arckv_run"][key])
         rows.append(row)
     return rows
 

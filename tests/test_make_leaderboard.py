@@ -292,3 +292,15 @@ def test_rows_of_a_superseded_checkpoint_leave_the_table_whole(ml, tmp_path):
     assert [(r["method"], r["ratio"], r["indexer"], r["score"]) for r in old] == [("arckv", "0.2", "old000000000", "0.36")]
     ml.main(["--out-dir", str(out), "--no-plots"])  # a rebuild keeps both files as they are
     assert read(out / "leaderboard.csv") == current and read(out / "leaderboard_superseded.csv") == old
+
+    # a resumed run whose records miss a task still names its checkpoint (results.json's arckv_run)
+    path = run("new02", "arckv", 0.2, 0.37, 1.9e9, "new111111111")
+    data = json.loads(path.read_text())
+    data["results"]["other_task"] = {"alias": "other_task", "acc,none": 0.5}
+    data["arckv_run"] = {"indexer": "new111111111", "config_id": "cfg000000000"}
+    path.write_text(json.dumps(data))
+    ml.main(["--results", str(path), "--records", str(runs / "new02" / "*.jsonl"), "--out-dir", str(out), "--no-plots"])
+    current = read(out / "leaderboard.csv")
+    assert {(r["task"], r["ratio"], r["indexer"], r["config_id"]) for r in current if r["method"] == "arckv"} == {
+        ("ruler", "0.1", "new111111111", "cfg000000000"), ("ruler", "0.2", "new111111111", "cfg000000000"),
+        ("other_task", "0.2", "new111111111", "cfg000000000")}
