@@ -19,7 +19,8 @@ Inputs (all optional; glob patterns, repeatable):
   checkpoint and compaction options of its newest row).
 
 Column ``indexer``: content id of the learned indexer checkpoint behind a row (``arckv`` only;
-from the records' / needle rows' ``indexer`` field, ``arckv_press.indexer.checkpoint_id``);
+from ``results.json``'s ``arckv_run`` (``run_evals.py``), else the records' / needle rows'
+``indexer`` field, ``arckv_press.indexer.checkpoint_id``);
 column ``config_id``: content id of the compaction options (ARC-KV and AM;
 ``arckv_press.api.config_id``).
 - ``--fidelity`` (default ``<out-dir>/bench_fidelity.csv``): ``scripts/bench_fidelity.py`` rows
