@@ -87,7 +87,7 @@ def cmd_demo(args) -> int:
     for name in args.methods:
         ratio = 1.0 if name == "none" else args.ratio
         try:
-            ours = name in METHODS and METHODS[name].family in ("arckv", "am")  # ours show per-layer progress
+            ours = name in METHODS and METHODS[name].ours  # our presses show per-layer progress bars
             press = make_press(name, ratio, **({"progress": True} if ours else {}))
         except ValueError as err:  # e.g. no indexer shipped for this model
             print(f"{name:<20}{'-':>6}{'-':>11}{'-':>9}  skipped: {err}")

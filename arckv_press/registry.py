@@ -42,6 +42,12 @@ class MethodSpec:
     family: str  # "arckv", "am", "kvpress" or "none"
     uses_indexer: bool = False  # results depend on the learned indexer checkpoint
 
+    @property
+    def ours(self) -> bool:
+        """An ARC-KV or Attention Matching press of this package (options such as ``tokenizer=``,
+        ``progress=``; a compaction config with an id), not a kvpress press or the full cache."""
+        return self.family in ("arckv", "am")
+
 
 def _kvpress(cls: type[BasePress]) -> Callable[..., BasePress]:
     def build(ratio: float, **options: Any) -> BasePress:
@@ -125,7 +131,7 @@ def method_config_id(name: str, **options: Any) -> str:
     """
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_NAMES)}")
-    if METHODS[name].family not in ("arckv", "am"):
+    if not METHODS[name].ours:
         return ""
     from arckv_press.api import config_id
 

@@ -149,7 +149,7 @@ def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, in
     from arckv_press.registry import METHODS, make_press
     from transformers import DynamicCache
 
-    options = {"tokenizer": tok} if METHODS[name].family in ("arckv", "am") else {}
+    options = {"tokenizer": tok} if METHODS[name].ours else {}
     press = make_press(name, ratio, **options, **indexer_options(name, indexer))
     timed = TimedPress(press)
     for module in attention_modules(model):  # stale KVzip masks from an earlier case
