@@ -419,6 +419,33 @@ def _benchmark_points(rows: list[dict]) -> dict[tuple[str, str], list[tuple[floa
     return out
 
 
+def method_family(method: str) -> str:
+    """``arckv`` (ARC-KV variants), ``am`` (Attention Matching) or ``kvpress`` (any other press),
+    by the registry's naming (this script does not import torch)."""
+    if method.startswith("arckv"):
+        return "arckv"
+    return "am" if method.startswith("am-") else "kvpress"
+
+
+_FAMILY_STYLE = {"arckv": ("-", "o"), "am": ("--", "s"), "kvpress": (":", "^")}
+
+
+def method_styles(labels: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Matplotlib styles for the method lines of one plot, keyed by label (``method`` or
+    ``model method``): line style and marker by the method's family (ARC-KV solid, Attention
+    Matching dashed, kvpress dotted) and a colour of ``tab20`` per label in sorted order, so every
+    line differs in colour even with a dozen methods (``tab10`` repeats after ten)."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab20"].colors
+    palette = palette[0::2] + palette[1::2]  # the ten strong colours first, then their light twins
+    styles = {}
+    for i, label in enumerate(sorted(set(labels))):
+        ls, marker = _FAMILY_STYLE[method_family(label.rsplit(" ", 1)[-1])]
+        styles[label] = {"color": palette[i % len(palette)], "linestyle": ls, "marker": marker}
+    return styles
+
+
 def plot_benchmark(benchmark: str, rows: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -427,6 +454,10 @@ def plot_benchmark(benchmark: str, rows: list[dict], out_dir: Path) -> list[Path
 
     points = _benchmark_points(rows)
     many = len({m for m, _ in points}) > 1
+    styles = method_styles(
+        f"{short_model(model)} {method}" if many else method
+        for model, method in points if method not in ("none", "no-context")
+    )
     paths = []
     for kind in ("ratio", "time"):
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -438,11 +469,11 @@ def plot_benchmark(benchmark: str, rows: list[dict], out_dir: Path) -> list[Path
                 continue
             pts = sorted(pts)
             if kind == "ratio":
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **styles[label])
             else:
                 timed = [p for p in pts if p[2] is not None and p[2] > 0]
                 if timed:
-                    ax.plot([p[2] for p in timed], [p[1] for p in timed], marker="o", label=label)
+                    ax.plot([p[2] for p in timed], [p[1] for p in timed], label=label, **styles[label])
         ax.set_xscale("log")
         ax.set_xlabel("kept ratio" if kind == "ratio" else "compaction seconds per document")
         ax.set_ylabel("score")

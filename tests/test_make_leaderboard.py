@@ -304,3 +304,22 @@ def test_rows_of_a_superseded_checkpoint_leave_the_table_whole(ml, tmp_path):
     assert {(r["task"], r["ratio"], r["indexer"], r["config_id"]) for r in current if r["method"] == "arckv"} == {
         ("ruler", "0.1", "new111111111", "cfg000000000"), ("ruler", "0.2", "new111111111", "cfg000000000"),
         ("other_task", "0.2", "new111111111", "cfg000000000")}
+
+
+def test_method_styles_tell_a_dozen_methods_and_their_families_apart(ml):
+    """Twelve method lines (more than tab10's ten colours): every line has its own colour, and the
+    line style says the family (ARC-KV solid, Attention Matching dashed, kvpress dotted), also
+    when labels carry the model's name."""
+    methods = ["arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha", "snapkv", "kvzip",
+               "expected_attention", "knorm", "streaming_llm", "tova"]
+    styles = ml.method_styles(methods)
+    assert len({s["color"] for s in styles.values()}) == len(methods)
+    want = {"arckv": "-", "am": "--", "kvpress": ":"}
+    for m in methods:
+        family = "arckv" if m.startswith("arckv") else "am" if m.startswith("am-") else "kvpress"
+        assert styles[m]["linestyle"] == want[family], m
+    assert ml.method_family("amazing_press") == "kvpress"  # 'am-' prefix, not 'am'
+    labelled = ml.method_styles(["smollm2 arckv", "qwen3 arckv", "smollm2 am-ha"])
+    assert labelled["qwen3 arckv"]["linestyle"] == "-" and labelled["smollm2 am-ha"]["linestyle"] == "--"
+    assert labelled["qwen3 arckv"]["color"] != labelled["smollm2 arckv"]["color"]
+    assert ml.method_styles(reversed(methods)) == styles  # order of appearance does not matter
