@@ -430,18 +430,18 @@ def method_family(method: str) -> str:
 _FAMILY_STYLE = {"arckv": ("-", "o"), "am": ("--", "s"), "kvpress": (":", "^")}
 
 
-def method_styles(labels: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Matplotlib styles for the method lines of one plot, keyed by label (``method`` or
-    ``model method``): line style and marker by the method's family (ARC-KV solid, Attention
-    Matching dashed, kvpress dotted) and a colour of ``tab20`` per label in sorted order, so every
-    line differs in colour even with a dozen methods (``tab10`` repeats after ten)."""
+def method_styles(methods: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Matplotlib styles for the method lines of one plot, ``{label: method}`` to ``{label: style}``
+    (a label is ``method`` or ``model method``): line style and marker by the method's family (ARC-KV
+    solid, Attention Matching dashed, kvpress dotted) and a colour of ``tab20`` per label in sorted
+    order, so every line differs in colour even with a dozen methods (``tab10`` repeats after ten)."""
     import matplotlib
 
     palette = matplotlib.colormaps["tab20"].colors
     palette = palette[0::2] + palette[1::2]  # the ten strong colours first, then their light twins
     styles = {}
-    for i, label in enumerate(sorted(set(labels))):
-        ls, marker = _FAMILY_STYLE[method_family(label.rsplit(" ", 1)[-1])]
+    for i, label in enumerate(sorted(methods)):
+        ls, marker = _FAMILY_STYLE[method_family(methods[label])]
         styles[label] = {"color": palette[i % len(palette)], "linestyle": ls, "marker": marker}
     return styles
 
@@ -454,15 +454,13 @@ def plot_benchmark(benchmark: str, rows: list[dict], out_dir: Path) -> list[Path
 
     points = _benchmark_points(rows)
     many = len({m for m, _ in points}) > 1
-    styles = method_styles(
-        f"{short_model(model)} {method}" if many else method
-        for model, method in points if method not in ("none", "no-context")
-    )
+    labels = {key: f"{short_model(key[0])} {key[1]}" if many else key[1] for key in points}
+    styles = method_styles({labels[key]: key[1] for key in points if key[1] not in ("none", "no-context")})
     paths = []
     for kind in ("ratio", "time"):
         fig, ax = plt.subplots(figsize=(6, 4))
         for (model, method), pts in sorted(points.items()):
-            label = f"{short_model(model)} {method}" if many else method
+            label = labels[(model, method)]
             if method in ("none", "no-context"):
                 ax.axhline(pts[0][1], ls="--" if method == "none" else ":", color="k" if method == "none" else "grey",
                            label=f"{label} (full context)" if method == "none" else label)

@@ -312,14 +312,14 @@ def test_method_styles_tell_a_dozen_methods_and_their_families_apart(ml):
     when labels carry the model's name."""
     methods = ["arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha", "snapkv", "kvzip",
                "expected_attention", "knorm", "streaming_llm", "tova"]
-    styles = ml.method_styles(methods)
+    styles = ml.method_styles({m: m for m in methods})
     assert len({s["color"] for s in styles.values()}) == len(methods)
     want = {"arckv": "-", "am": "--", "kvpress": ":"}
     for m in methods:
         family = "arckv" if m.startswith("arckv") else "am" if m.startswith("am-") else "kvpress"
         assert styles[m]["linestyle"] == want[family], m
     assert ml.method_family("amazing_press") == "kvpress"  # 'am-' prefix, not 'am'
-    labelled = ml.method_styles(["smollm2 arckv", "qwen3 arckv", "smollm2 am-ha"])
+    labelled = ml.method_styles({"smollm2 arckv": "arckv", "qwen3 arckv": "arckv", "smollm2 am-ha": "am-ha"})
     assert labelled["qwen3 arckv"]["linestyle"] == "-" and labelled["smollm2 am-ha"]["linestyle"] == "--"
     assert labelled["qwen3 arckv"]["color"] != labelled["smollm2 arckv"]["color"]
-    assert ml.method_styles(reversed(methods)) == styles  # order of appearance does not matter
+    assert ml.method_styles({m: m for m in reversed(methods)}) == styles  # order of appearance does not matter
