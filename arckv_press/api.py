@@ -28,15 +28,29 @@ from transformers import DynamicCache
 from arckv_press import __version__
 from arckv_press.attention import enable_compact_attention
 from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, pack_heads
-from arckv_press.capture import QueryCapture, framing_for, prefill, repeat_prefill
+from arckv_press.capture import QueryCapture, framing_for, prefill, repeat_prefill, repeat_prefill_stats
 from arckv_press.compaction.fit import FitConfig
-from arckv_press.compaction.layer import AM_VARIANTS, ARCKV_SELECTORS, LayerMethod, anchor_scores, compact_layer
-from arckv_press.compaction.reference import group_activations, group_queries_by_kv_head, mix_sources, subsample_rows
+from arckv_press.compaction.layer import (
+    AM_VARIANTS,
+    ARCKV_SELECTORS,
+    LayerMethod,
+    anchor_scores,
+    compact_layer,
+    compact_layer_from_stats,
+)
+from arckv_press.compaction.reference import (
+    group_activations,
+    group_queries_by_kv_head,
+    grouped_rows,
+    mix_sources,
+    subsample_rows,
+)
 from arckv_press.compaction.select import POOLINGS, global_budgets, per_head_budgets
 
 __all__ = ["CompactionConfig", "config_id", "compact", "compact_prefilled", "METHODS", "encode_document", "CompactionReport"]
 
 METHODS = tuple(ARCKV_SELECTORS) + tuple(AM_VARIANTS)
+PIPELINES = ("fused", "separate")
 
 
 @dataclass
@@ -81,6 +95,35 @@ class CompactionConfig:
             "Continuation fidelity"): fully global budgets starve diffuse heads at low kept
             fractions (continuation damage 1.16 at keep 2%, 0.52 with the 0.5 floor, 0.45 with
             uniform budgets), while fixed budgets lose planted needles (see ``allocation``).
+        pipeline: how ARC-KV with ``score_queries="all"`` reads its reference rows. ``"fused"``
+            (default): the repeat-prefill's own attention gathers the anchor scores, each key's
+            witness row and every row's full-cache targets in one pass
+            (:mod:`arckv_press.compaction.stats`); each KV head then fits on the budget rows plus
+            its own anchors' witness rows, and merges keys on ``merge_rows`` of the budget rows.
+            ``"separate"``: the previous pipeline, which scores, finds witnesses and fits in
+            separate passes over all captured rows, fits on the union of every KV head's witness
+            positions (all query heads of each) and merges on all fit rows. The fused pipeline
+            needs ``context_fraction=0`` and ``on_policy=False``; otherwise the separate one runs.
+        merge_rows: fused pipeline: reference rows per KV head of the response profiles
+            (Eq. (response_profile)), a seeded subsample of the budget rows (whole query-head
+            groups of a position); ``None`` = each head's fit rows.
+        max_head_multiple: with ``allocation="global"``, no layer--KV head gets more than this multiple
+            of its uniform budget (``floor(max_head_multiple * ratio * T)``); what a capped head
+            would have taken goes to the next best positions of other heads. Without a cap a few
+            heads (those whose rows each attend sharply to a different position) take most of
+            their positions, and their merge and fits, which grow with the square of a head's
+            anchor count, dominate the compaction time; but those heads are the copy heads that keep
+            planted needles, so capping them loses needles. ``None`` (default) = no cap.
+        verbatim_fraction: fused pipeline: a KV head that keeps more than this fraction of its
+            positions keeps its anchors' keys and values as they are, with beta = 0 (no merging, no
+            fits), which saves the merge and fits that cost about the square of its anchor count;
+            but those heads lose the mass of the positions they drop, and continuation damage
+            rises. ``None`` (default) = every head is merged and fitted.
+        indexer_rows: fused pipeline, method ``arckv``: the reference rows the learned indexer
+            scores, ``"all"`` captured rows (default; as HA and VI scores are pooled) or the
+            ``"budget"`` rows only (the paper's n_score setting: about G T / query_budget times less
+            scoring work, but anchors picked for a planted needle by its few sharp rows can be
+            missed).
         fit_witnesses: with ``score_queries="all"``, the fits (and key merging) use the
             ``query_budget`` rows plus every anchor's witness query, the captured row that attends
             to it most (:mod:`arckv_press.compaction.witness`). Measured on the default model
@@ -109,6 +152,11 @@ class CompactionConfig:
     allocation: str = "global"
     min_head_fraction: float = 0.5
     fit_witnesses: bool = True
+    pipeline: str = "fused"
+    merge_rows: int | None = 512
+    max_head_multiple: float | None = None
+    verbatim_fraction: float | None = None
+    indexer_rows: str = "all"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -131,15 +179,29 @@ class CompactionConfig:
             raise ValueError("on_policy=True needs allocation='fixed' (global budgets need every layer's queries up front)")
         if self.min_length < 1:
             raise ValueError(f"min_length must be >= 1, got {self.min_length}")
+        if self.max_head_multiple is not None and not (isinstance(self.max_head_multiple, (int, float))
+                                                       and not isinstance(self.max_head_multiple, bool)
+                                                       and math.isfinite(self.max_head_multiple)
+                                                       and self.max_head_multiple >= 1):
+            raise ValueError(f"max_head_multiple must be a number >= 1 or None, got {self.max_head_multiple!r}")
+        if self.indexer_rows not in ("all", "budget"):
+            raise ValueError(f"indexer_rows must be 'all' or 'budget', got {self.indexer_rows!r}")
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
+        if self.merge_rows is not None and (isinstance(self.merge_rows, bool) or not isinstance(self.merge_rows, int)
+                                            or self.merge_rows < 1):
+            raise ValueError(f"merge_rows must be a positive int or None, got {self.merge_rows!r}")
         self.layer_method()  # validates lambda_m now, not after the prefill and repeat-prefill
 
     def layer_method(self) -> LayerMethod:
         return LayerMethod(self.method, self.lambda_m, self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
-                           fit_witnesses=self.fit_witnesses)
+                           fit_witnesses=self.fit_witnesses, verbatim_fraction=self.verbatim_fraction)
 
 
-_RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")  # never change a result (the indexer has its own id)
-_ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation", "min_head_fraction", "fit_witnesses")
+_RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")
+_INDEXER_ONLY_FIELDS = ("indexer_rows",)  # options only the learned indexer's method reads  # never change a result (the indexer has its own id)
+_ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation", "min_head_fraction", "fit_witnesses",
+                      "pipeline", "merge_rows", "max_head_multiple", "verbatim_fraction")
 
 
 def _canonical(value):
@@ -167,7 +229,10 @@ def config_id(config: CompactionConfig) -> str:
     a current one, while unrelated default changes leave the other methods' rows valid.
     """
     skip = set(_RUN_ONLY_FIELDS) | (set(_ARCKV_ONLY_FIELDS) if config.method in AM_VARIANTS else set())
+    skip |= set(_INDEXER_ONLY_FIELDS) if config.method != "arckv" else set()
     options = {f.name: _canonical(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in skip}
+    if config.method in AM_VARIANTS:
+        options["fit"].pop("gram_dtype")  # Attention Matching always forms float64 products
     return hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -345,7 +410,6 @@ def compact_prefilled(
         weights = weights[list(layers)]  # checkpoint weights cover every layer; keep the compacted ones
     budgets = per_head_budgets(T, config.ratio, weights, len(layers), H)
 
-    full_bytes = 0
     t0 = time.perf_counter()
     if already_prefilled and config.ratio < 1.0 and plan.context_capture.numel() and context_queries is None:
         raise ValueError(
@@ -359,84 +423,20 @@ def compact_prefilled(
             prefill(model, context_ids, cache)
     timings["prefill"] = time.perf_counter() - t0 if not already_prefilled else 0.0
 
-    repeat_store = None
+    full_bytes = sum(cache.layers[i].keys.nbytes + cache.layers[i].values.nbytes for i in layers)
     framing = framing_for(tokenizer, use_chat_template)
-    if config.ratio < 1.0 and plan.repeat_capture.numel():
-        t0 = time.perf_counter()
-        bar = _progress(config, T, "repeat-prefill")
-        repeat_store = repeat_prefill(
-            model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids,
-            layers[:1] if config.on_policy else layers, plan.repeat_capture, config.repeat_chunk, bar,
-        )
-        if bar is not None:
-            bar.close()
-        timings["repeat_prefill"] = time.perf_counter() - t0
-
     method = config.layer_method()
-    scored = config.ratio < 1.0 and config.method in ARCKV_SELECTORS and not config.on_policy
-
-    def layer_scores(layer_idx: int) -> torch.Tensor:
-        """Anchor scores of a layer from every captured reference row (``score_queries``)."""
-        X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H)
-        K, V = _document_kv(cache, layer_idx, prefix_len)
-        return anchor_scores(method, Q, K, V, _scaling(model, layer_idx),
-                             group_activations(X, G) if X is not None else None, indexer, layer_idx)
-
-    scores: dict[int, torch.Tensor] = {}
-    if scored and config.allocation == "global":
-        t0 = time.perf_counter()
-        scores = {layer_idx: layer_scores(layer_idx) for layer_idx in layers}
-        budgets = global_budgets(torch.stack([scores[i].float() for i in layers]), config.ratio,
-                                 min_fraction=config.min_head_fraction)
-        timings["selection"] = time.perf_counter() - t0
-
-    n_rows = 0
-    bar = _progress(config, len(layers), f"compact ({config.method})", unit="layer")
-    for li, layer_idx in enumerate(layers):
-        dyn = cache.layers[layer_idx]
-        keys, values = dyn.keys, dyn.values
-        full_bytes += keys.nbytes + values.nbytes
-        K, V = _document_kv(cache, layer_idx, prefix_len)
-        # clone: a slice is a view that would keep the whole uncompressed layer's storage alive
-        fixed_k, fixed_v = keys[:, :, :prefix_len].clone(), values[:, :, :prefix_len].clone()
-        if config.ratio >= 1.0:
-            C_k, beta, C_v = K.reshape(-1, K.shape[-1]), K.new_zeros(H * T, dtype=torch.float32), V.reshape(-1, V.shape[-1])
-            lengths = torch.full((H,), T, dtype=torch.long, device=K.device)
-        else:
-            if config.on_policy and li > 0 and plan.repeat_capture.numel():
-                t0 = time.perf_counter()
-                enable_compact_attention(model)  # layers below are compact now
-                repeat_store = repeat_prefill(
-                    model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, [layer_idx],
-                    plan.repeat_capture, config.repeat_chunk,
-                )
-                timings["repeat_prefill"] = timings.get("repeat_prefill", 0.0) + time.perf_counter() - t0
-            layer_score = scores.pop(layer_idx, None)
-            if scored and layer_score is None:
-                t0 = time.perf_counter()
-                layer_score = layer_scores(layer_idx)
-                timings["selection"] = timings.get("selection", 0.0) + time.perf_counter() - t0
-            fit_pos = _fit_positions(layer_idx, repeat_store, context_queries, plan)
-            X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H,
-                                  *((None, None) if fit_pos is not None else (plan.repeat_rows, plan.context_rows)))
-            res = compact_layer(
-                K, V, Q, budgets[li].to(K.device), _scaling(model, layer_idx), method,
-                X=group_activations(X, G) if X is not None else None, indexer=indexer, layer_idx=layer_idx,
-                scores=layer_score, fit_positions=fit_pos, group_size=G,
-            )
-            n_rows = max(n_rows, res.fit_rows)
-            for stage, sec in res.timings.items():
-                timings[stage] = timings.get(stage, 0.0) + sec
-            C_k, lengths = pack_heads(res.C_k, res.valid)
-            beta, _ = pack_heads(res.beta, res.valid)
-            C_v, _ = pack_heads(res.C_v, res.valid)
-        cache.layers[layer_idx] = CompactLayer(
-            C_k.to(keys.dtype), beta, C_v.to(values.dtype), lengths, T, layer_idx, fixed_k, fixed_v
-        )
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+    if config.ratio >= 1.0:
+        layer_results = {i: None for i in layers}
+        n_rows = 0
+    elif _fused(config):
+        layer_results, n_rows = _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, config, method,
+                                               framing, indexer, budgets, plan, timings)
+    else:
+        layer_results, n_rows = _compact_separate(model, tokenizer, cache, context_ids, prefix_len, layers, config,
+                                                  method, framing, indexer, budgets, plan, context_queries, timings)
+    for layer_idx in layers:
+        _pack_layer(cache, layer_idx, prefix_len, T, H, layer_results[layer_idx])
 
     enable_compact_attention(model)
     result = CompactCache(list(cache.layers), None)
@@ -470,6 +470,171 @@ def _progress(config: CompactionConfig, total: int, desc: str, unit: str = "tok"
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, leave=False)
+
+
+def _fused(config: CompactionConfig) -> bool:
+    """Whether ARC-KV runs the fused reference pass (``CompactionConfig.pipeline``)."""
+    return (config.pipeline == "fused" and config.method in ARCKV_SELECTORS and config.score_queries == "all"
+            and not config.on_policy and config.context_fraction == 0.0)
+
+
+def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, indexer,
+                   budgets, plan, timings):
+    """Stages of the fused pipeline: one repeat-prefill gathering every statistic, allocation,
+    then each layer from its statistics (:func:`compact_layer_from_stats`)."""
+    H = cache.layers[layers[0]].keys.shape[1]
+    T = context_ids.shape[1] - prefix_len
+    selector = ARCKV_SELECTORS[config.method]
+    t0 = time.perf_counter()
+    bar = _progress(config, T, "repeat-prefill")
+    base_pos = plan.repeat_rows
+    score_pos = base_pos if config.indexer_rows == "budget" else torch.arange(T)  # rows the indexer scores
+    cap = repeat_prefill_stats(model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, layers,
+                               prefix_len, selector="vi" if selector == "vi" else "ha", pooling=config.pooling,
+                               x_positions=score_pos if selector == "indexer" else None,
+                               chunk_size=config.repeat_chunk, progress=bar)
+    if bar is not None:
+        bar.close()
+    timings["repeat_prefill"] = time.perf_counter() - t0
+    timings["reference_stats"] = cap.stats_seconds  # part of repeat_prefill: the in-pass selection work
+    G = cap.stats[layers[0]].G
+    queries = {i: group_queries_by_kv_head(torch.cat(cap.store.q.pop(i), dim=1)[None], H) for i in layers}
+
+    base_rows = grouped_rows(base_pos, T, G)
+    t0 = time.perf_counter()
+    scores = {}
+    for i in layers:
+        if selector == "indexer":  # indexer_rows: every captured row or the budget rows
+            K, V = _document_kv(cache, i, prefix_len)
+            X = torch.cat(cap.store.x.pop(i), dim=0)
+            Q = queries[i] if config.indexer_rows == "all" else queries[i][:, base_rows.to(K.device)]
+            scores[i] = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling)
+        else:
+            scores[i] = cap.stats[i].scores
+    if config.allocation == "global":
+        budgets = global_budgets(torch.stack([scores[i].float() for i in layers]), config.ratio,
+                                 min_fraction=config.min_head_fraction, max_multiple=config.max_head_multiple)
+    timings["selection"] = time.perf_counter() - t0
+
+    merge_rows = None
+    if config.merge_rows is not None:
+        n_pos = max(1, config.merge_rows // G)
+        merge_rows = grouped_rows(base_pos[subsample_rows(base_pos.numel(), n_pos, config.seed + 1)], T, G)
+    results, n_rows = {}, 0
+    bar = _progress(config, len(layers), f"compact ({config.method})", unit="layer")
+    for li, i in enumerate(layers):
+        K, V = _document_kv(cache, i, prefix_len)
+        res = compact_layer_from_stats(K, V, queries.pop(i), cap.stats.pop(i), budgets[li].to(K.device),
+                                       _scaling(model, i), method, base_rows, merge_rows, scores.pop(i))
+        results[i] = res
+        n_rows = max(n_rows, res.fit_rows)
+        for stage, sec in res.timings.items():
+            timings[stage] = timings.get(stage, 0.0) + sec
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return results, n_rows
+
+
+def _compact_separate(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, indexer,
+                      budgets, plan, context_queries, timings):
+    """The separate pipeline (``pipeline="separate"``, Attention Matching, ``on_policy``, mixed
+    reference sources): captured queries, then per layer :func:`compact_layer`."""
+    H = cache.layers[layers[0]].keys.shape[1]
+    G = _group_size(model)
+    repeat_store = None
+    if plan.repeat_capture.numel():
+        t0 = time.perf_counter()
+        bar = _progress(config, context_ids.shape[1] - prefix_len, "repeat-prefill")
+        repeat_store = repeat_prefill(
+            model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids,
+            layers[:1] if config.on_policy else layers, plan.repeat_capture, config.repeat_chunk, bar,
+        )
+        if bar is not None:
+            bar.close()
+        timings["repeat_prefill"] = time.perf_counter() - t0
+    scored = config.method in ARCKV_SELECTORS and not config.on_policy
+
+    def layer_scores(layer_idx: int) -> torch.Tensor:
+        """Anchor scores of a layer from every captured reference row (``score_queries``)."""
+        X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H)
+        K, V = _document_kv(cache, layer_idx, prefix_len)
+        return anchor_scores(method, Q, K, V, _scaling(model, layer_idx),
+                             group_activations(X, G) if X is not None else None, indexer, layer_idx)
+
+    scores: dict[int, torch.Tensor] = {}
+    if scored and config.allocation == "global":
+        t0 = time.perf_counter()
+        scores = {layer_idx: layer_scores(layer_idx) for layer_idx in layers}
+        budgets = global_budgets(torch.stack([scores[i].float() for i in layers]), config.ratio,
+                                 min_fraction=config.min_head_fraction, max_multiple=config.max_head_multiple)
+        timings["selection"] = time.perf_counter() - t0
+
+    results, n_rows = {}, 0
+    bar = _progress(config, len(layers), f"compact ({config.method})", unit="layer")
+    for li, layer_idx in enumerate(layers):
+        K, V = _document_kv(cache, layer_idx, prefix_len)
+        if config.on_policy and li > 0 and plan.repeat_capture.numel():
+            t0 = time.perf_counter()
+            enable_compact_attention(model)  # layers below are compact now
+            repeat_store = repeat_prefill(
+                model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, [layer_idx],
+                plan.repeat_capture, config.repeat_chunk,
+            )
+            timings["repeat_prefill"] = timings.get("repeat_prefill", 0.0) + time.perf_counter() - t0
+        layer_score = scores.pop(layer_idx, None)
+        if scored and layer_score is None:
+            t0 = time.perf_counter()
+            layer_score = layer_scores(layer_idx)
+            timings["selection"] = timings.get("selection", 0.0) + time.perf_counter() - t0
+        fit_pos = _fit_positions(layer_idx, repeat_store, context_queries, plan)
+        X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H,
+                              *((None, None) if fit_pos is not None else (plan.repeat_rows, plan.context_rows)))
+        res = compact_layer(
+            K, V, Q, budgets[li].to(K.device), _scaling(model, layer_idx), method,
+            X=group_activations(X, G) if X is not None else None, indexer=indexer, layer_idx=layer_idx,
+            scores=layer_score, fit_positions=fit_pos, group_size=G,
+        )
+        results[layer_idx] = res
+        n_rows = max(n_rows, res.fit_rows)
+        for stage, sec in res.timings.items():
+            timings[stage] = timings.get(stage, 0.0) + sec
+        # on_policy: the next layer's repeat-prefill reads this layer compacted
+        if config.on_policy:
+            _pack_layer(cache, layer_idx, prefix_len, K.shape[1], H, res)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return results, n_rows
+
+
+def _pack_layer(cache, layer_idx: int, prefix_len: int, T: int, H: int, res) -> None:
+    """Replace an ordinary cache layer by its :class:`CompactLayer` (``res`` ``None``: ratio 1, every
+    position kept with beta = 0); a layer packed already (``on_policy``) is left as it is."""
+    dyn = cache.layers[layer_idx]
+    if isinstance(dyn, CompactLayer):
+        return
+    keys, values = dyn.keys, dyn.values
+    K, V = _document_kv(cache, layer_idx, prefix_len)
+    # clone: a slice is a view that would keep the whole uncompressed layer's storage alive
+    fixed_k, fixed_v = keys[:, :, :prefix_len].clone(), values[:, :, :prefix_len].clone()
+    if res is None:
+        C_k, beta, C_v = K.reshape(-1, K.shape[-1]), K.new_zeros(H * T, dtype=torch.float32), V.reshape(-1, V.shape[-1])
+        lengths = torch.full((H,), T, dtype=torch.long, device=K.device)
+    else:
+        C_k, lengths = pack_heads(res.C_k, res.valid)
+        beta, _ = pack_heads(res.beta, res.valid)
+        C_v, _ = pack_heads(res.C_v, res.valid)
+    cache.layers[layer_idx] = CompactLayer(C_k.to(keys.dtype), beta, C_v.to(values.dtype), lengths, T, layer_idx,
+                                           fixed_k, fixed_v)
+
+
+def _group_size(model) -> int:
+    from arckv_press.models import describe_attention_layout
+
+    return describe_attention_layout(model).group_size
 
 
 def _scaling(model, layer_idx: int) -> float:

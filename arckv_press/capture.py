@@ -21,20 +21,25 @@ the keys and values compacted always come from the original prefill.
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
+from arckv_press.compaction.stats import ReferenceStats, causal_part, split_attention
+
 __all__ = [
     "Framing",
     "framing_for",
     "CapturedQueries",
     "QueryCapture",
+    "StatsCapture",
     "decoder_layers",
     "prefill",
     "repeat_prefill",
+    "repeat_prefill_stats",
     "REPEAT_PROMPT",
     "REPEAT_CHUNK_PROMPT",
 ]
@@ -144,6 +149,127 @@ class QueryCapture:
         return hook
 
 
+_STATS_IMPL = "arckv_stats"
+
+
+class StatsCapture:
+    """The reference pass with statistics: while active, the attention of each layer in ``layers``
+    runs :func:`~arckv_press.compaction.stats.split_attention` (exactly softmax attention over all
+    visible keys) and feeds the document part of the captured rows to that layer's
+    :class:`~arckv_press.compaction.stats.ReferenceStats`; it also keeps the post-RoPE queries of the
+    captured rows (``store.q``) and, at the document positions ``x_positions`` (if given), the inputs
+    of ``q_proj`` (``store.x``).
+
+    The document is ``doc_len`` keys after ``prefix_len`` prefix keys in every forward's cache; the
+    captured rows are the last ``n`` input tokens of a forward (set with :meth:`expect`) and are
+    document positions ``start .. start + n - 1``. Other layers and forwards run the model's own
+    attention unchanged. Use as a context manager: it switches the model's attention implementation
+    and restores it on exit.
+    """
+
+    def __init__(self, model, layers: list[int], prefix_len: int, doc_len: int, selector: str = "ha",
+                 pooling: str = "rms", x_positions: torch.Tensor | None = None):
+        self.model, self.layers = model, list(layers)
+        self.prefix_len, self.doc_len = prefix_len, doc_len
+        self.selector, self.pooling = selector, pooling
+        self.x_positions = None if x_positions is None else _check_positions(x_positions, doc_len)
+        self.stats: dict[int, ReferenceStats] = {}
+        self.stats_seconds = 0.0  # time spent accumulating statistics (scores, witness search, targets)
+        self.store = CapturedQueries()
+        self._rows: tuple[int, int] | None = None  # (document start, rows captured) of the next forward
+        self._previous: str | None = None
+        self._handles: list = []
+
+    def expect(self, start: int, n: int) -> None:
+        self._rows = (start, n)
+
+    def __enter__(self) -> "StatsCapture":
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        AttentionInterface.register(_STATS_IMPL, _stats_dispatch)
+        if _STATS_IMPL not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+            AttentionMaskInterface.register(_STATS_IMPL, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"])
+        self._previous = self.model.config._attn_implementation
+        _ACTIVE.append(self)
+        self.model.set_attn_implementation(_STATS_IMPL)
+        if self.x_positions is not None:
+            blocks = decoder_layers(self.model)
+            for idx in self.layers:
+                self._handles.append(blocks[idx].self_attn.register_forward_pre_hook(self._x_hook(idx), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        _ACTIVE.remove(self)
+        self.model.set_attn_implementation(self._previous)
+
+    def _x_hook(self, layer_idx: int):
+        def hook(module, args, kwargs):
+            if self._rows is not None:
+                start, n = self._rows
+                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                pos = self.x_positions[(self.x_positions >= start) & (self.x_positions < start + n)]
+                rows = (pos - start + hidden.shape[1] - n).to(hidden.device)
+                self.store.x.setdefault(layer_idx, []).append(hidden[0, rows].detach())
+            return None
+
+        return hook
+
+    def attend(self, module, query, key, value, scaling):
+        """The stats path of one layer's attention: ``[1, c, Hq, D]`` as transformers expects."""
+        B, Hq, c, D = query.shape
+        Hkv, L = key.shape[1], key.shape[2]
+        if B != 1:
+            raise ValueError("the reference pass supports batch size 1 only")
+        G, lo, hi = Hq // Hkv, self.prefix_len, self.prefix_len + self.doc_len
+        start, n = self._rows
+        if L != hi + c or n > c:
+            raise ValueError(f"layer {module.layer_idx}: {L} keys, expected prefix {lo} + document {self.doc_len} "
+                             f"+ {c} new tokens")
+        q = query[0].view(Hkv, G, c, D)
+        idx = module.layer_idx
+        stats = self.stats.get(idx)
+        if stats is None:
+            stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len, self.doc_len, value.shape[-1],
+                                                     self.selector, self.pooling, query.device)
+        V_doc = value[0, :, lo:hi]
+        off = c - n
+        new = causal_part(q, key[0, :, hi:], value[0, :, hi:], scaling)     # None off the CPU: blockwise below
+        cut = (lambda sl: None) if new is None else (lambda sl: (new[0][:, :, sl], new[1][:, :, sl]))
+        parts = []
+        if off:  # the repeat instruction's tokens: attention only
+            parts.append(split_attention(q[:, :, :off], key[0], value[0], (lo, hi), scaling, 0, stats.block,
+                                         new_part=cut(slice(0, off))))
+        def on_block(a, blk):
+            t0 = time.perf_counter()
+            stats.update(start + a, blk, V_doc)
+            self.stats_seconds += time.perf_counter() - t0
+
+        parts.append(split_attention(q[:, :, off:], key[0], value[0], (lo, hi), scaling, off, stats.block,
+                                     on_block=on_block,
+                                     keep_logits=stats.needs_logits, new_part=cut(slice(off, c))))
+        self.store.q.setdefault(idx, []).append(query[0, :, off:].detach())
+        out = torch.cat(parts, 2) if len(parts) > 1 else parts[0]
+        return out.reshape(Hq, c, -1).transpose(0, 1)[None].to(query.dtype), None
+
+
+_ACTIVE: list[StatsCapture] = []
+
+
+def _stats_dispatch(module, query, key, value, attention_mask, *args, **kwargs):
+    cap = _ACTIVE[-1] if _ACTIVE else None
+    if cap is not None and cap._rows is not None and getattr(module, "layer_idx", None) in cap.layers:
+        scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
+        return cap.attend(module, query, key, value, module.scaling if scaling is None else scaling)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    base = cap._previous if cap is not None else "sdpa"
+    return ALL_ATTENTION_FUNCTIONS[base](module, query, key, value, attention_mask, *args, **kwargs)
+
+
 def prefill(model, input_ids: torch.Tensor, cache=None, capture: QueryCapture | None = None, rows=None):
     """Run the decoder over ``input_ids`` (no LM head), filling ``cache``; optional capture rows."""
     cache = DynamicCache(config=model.config) if cache is None else cache
@@ -192,26 +318,68 @@ def repeat_prefill(
 
     Returns the captured queries, rows in the order of ``positions``.
     """
+    positions = _check_positions(positions, doc_ids.shape[-1])
+    store = CapturedQueries()
+    with QueryCapture(model, layers, store) as cap:
+        def forward(start: int, n: int, ids: torch.Tensor) -> None:
+            sel = positions[(positions >= start) & (positions < start + n)]
+            if sel.numel():
+                prefill(model, ids, cache, cap, rows=sel - start + ids.shape[-1] - n)  # chunk sits last
+
+        _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward)
+    return store
+
+
+def repeat_prefill_stats(
+    model,
+    tokenizer,
+    cache,
+    doc_ids: torch.Tensor,
+    suffix_ids: list[int],
+    layers: list[int],
+    prefix_len: int,
+    selector: str = "ha",
+    pooling: str = "rms",
+    x_positions: torch.Tensor | None = None,
+    chunk_size: int = 2048,
+    progress=None,
+) -> StatsCapture:
+    """The repeat-prefill of :func:`repeat_prefill` capturing every document position, with the
+    reference statistics of :mod:`arckv_press.compaction.stats` gathered by the forward's own
+    attention (:class:`StatsCapture`). ``cache`` holds ``prefix_len`` prefix tokens and the document;
+    it is restored afterwards. Returns the capture: ``stats[layer]`` and ``store`` (queries, and the
+    ``q_proj`` inputs at ``x_positions``), rows in position order."""
+    if cache.get_seq_length() != prefix_len + doc_ids.shape[-1]:
+        raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, expected prefix {prefix_len} + "
+                         f"document {doc_ids.shape[-1]}")
+    cap = StatsCapture(model, layers, prefix_len, doc_ids.shape[-1], selector, pooling, x_positions)
+    with cap:
+        def forward(start: int, n: int, ids: torch.Tensor) -> None:
+            cap.expect(start, n)
+            prefill(model, ids, cache)
+            cap._rows = None
+
+        _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward)
+    for stats in cap.stats.values():
+        stats.result()
+    return cap
+
+
+def _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward) -> None:
+    """Run ``forward(start, n, ids)`` for each repeat chunk on ``cache``, restoring it after each."""
     if doc_ids.ndim != 2 or doc_ids.shape[0] != 1:
         raise ValueError(f"repeat-prefill supports batch size 1 only, got doc_ids of shape {tuple(doc_ids.shape)}")
-    positions = _check_positions(positions, doc_ids.shape[1])
     chunks = list(repeat_chunks(tokenizer, doc_ids.cpu(), suffix_ids, chunk_size))
     _warn_past_window(model, cache.get_seq_length() + max(ids.shape[-1] for _, _, ids in chunks), chunk_size)
     snapshot = _snapshot(cache)
-    store = CapturedQueries()
     try:
-        with QueryCapture(model, layers, store) as cap:
-            for start, n, ids in chunks:
-                sel = positions[(positions >= start) & (positions < start + n)]
-                if sel.numel():
-                    offset = ids.shape[-1] - n  # repeated chunk sits at the end of the input
-                    prefill(model, ids, cache, cap, rows=sel - start + offset)
-                    _restore(cache, snapshot)
-                if progress is not None:
-                    progress.update(n)
+        for start, n, ids in chunks:
+            forward(start, n, ids)
+            _restore(cache, snapshot)
+            if progress is not None:
+                progress.update(n)
     finally:
         _restore(cache, snapshot)
-    return store
 
 
 def _warn_past_window(model, furthest: int, chunk_size: int) -> None:

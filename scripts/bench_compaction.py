@@ -6,32 +6,34 @@ Model part (per context length and kept fraction rho): the context (Paul Graham 
 as in kvpress's pipeline) is prefilled once per length (median of ``--repeats`` prefills after a
 warm-up one); each ARC-KV / AM method then compacts a copy of that prefilled cache with
 :func:`arckv_press.api.compact_prefilled` and we read ``cache.report.timings``:
-``repeat_prefill`` (reference queries), ``selection`` (anchor scores + top-t), ``fit_rows`` (the
-anchors' witness queries), ``merge`` (key merging), ``beta_fit``, ``value_fit`` (C_v) for ARC-KV, ``am_total`` (select + fit) for AM,
-plus ``compact_total`` (wall time of the whole call, repeat-prefill included, prefill
-excluded). kvpress presses (SnapKV, KVzip, Expected Attention) are timed end to end
-(``press_total``: the prefill inside ``with press(model)`` plus the compression);
-``beyond_prefill`` subtracts the median prefill.
+``repeat_prefill`` (the reference pass; for ARC-KV it includes ``reference_stats``, the statistics
+its attention gathers), ``selection`` (top-t after the pass; the learned indexer's scoring),
+``fit_rows`` (the anchors' witness rows), ``merge`` (key merging), ``beta_fit``, ``value_fit``
+(C_v) for ARC-KV, ``am_total`` (select + fit) for AM, plus ``compact_total`` (wall time of the
+whole call, repeat-prefill included, prefill excluded). kvpress presses (SnapKV, KVzip, Expected
+Attention) are timed end to end (``press_total``: the prefill inside ``with press(model)`` plus
+the compression); ``beyond_prefill`` subtracts the median prefill. Rows are written after each
+method, so an interrupted run keeps what it measured; ``--summary`` prints the summary and ratios
+of the last run from the CSV. ``--option KEY=VALUE`` times a ``CompactionConfig`` option
+(e.g. ``max_head_multiple=4.0``); its rows carry that option's ``config_id``.
 
-Synthetic part: ``compact_layer`` with ``arckv-ha`` (select + merge + fit) against
-``am_compact(..., "omp-fast")`` on random ``K, V [H, T, D]``, ``Q [H, n, D]`` (H = 3, D = 64,
-n = max(``--queries`` (2048), 2 t) reference rows per head, so there are always at least twice
-as many rows as kept keys, as with a real repeat-prefill; OMP refuses t > n), T from 1024 up to
-``--max-T``. OMP-fast is not run at a
-length once a shorter one took more than ``--omp-cap`` seconds. When the default model's
-indexer is shipped, its anchor selection (method ``arckv``, stage ``selection``: the scoring
-pass of layer 0's parameters on random activations ``X [n, d_x]`` plus top-t) is timed on the
-same tensors; it replaces HA's selection and leaves merging and the fits unchanged, so the
-printed ``omp/idx-sel`` (OMP-fast select + fit / the indexer's selection) is the paper's
-"OMP key selection vs one scoring pass" comparison, slightly in OMP's disfavour (its time
-includes AM's fits).
+Printed from the same run, against the goals of the fast-compaction issue: ARC-KV's
+post-repeat time (everything after the repeat-prefill) / one prefill, the repeat-prefill / one
+prefill, AM's select + fit / ARC-KV's post-repeat time, end-to-end AM / ARC-KV, the learned
+indexer's selection / HA's (in-pass statistics included) and the post-repeat growth between
+lengths.
 
-Printed from the same run: OMP time / ARC-KV time (per ratio and length; per-layer compaction
-only, and end to end with the shared repeat-prefill), and ARC-KV's time beyond the
-repeat-prefill relative to one prefill of the context.
+Synthetic part: the default ARC-KV pipeline on random ``K, V [H, T, D]`` and one reference row per
+query head and position (``Q [H, G, T, D]``, H = 3, G = 3, D = 64): the statistics pass
+(``reference_pass``, which the repeat-prefill does on a model) and everything after it
+(``post``: top-t, witnesses, merging, fits), against ``am_compact(..., "omp-fast")`` on
+n = max(``--queries`` (2048), 2 t) rows, T from 1024 up to ``--max-T``. OMP-fast is not run at a
+length once a shorter one took more than ``--omp-cap`` seconds. When the default model's indexer
+is shipped, its anchor selection (layer 0's parameters on the budget rows) is timed too.
 
     python scripts/bench_compaction.py --quick
     python scripts/bench_compaction.py --lengths 1K 2K 4K 8K --repeats 3 --max-T 65536
+    python scripts/bench_compaction.py --summary --methods arckv-ha am-omp-fast --ratios 0.1 --lengths 4K 8K
 
 Writes ``leaderboards/bench_compaction.csv`` (long format: one row per section / method / rho /
 length / stage, seconds = median over repeats).
@@ -61,7 +63,7 @@ from arckv_press.runinfo import append_rows, median_seconds, parse_length, print
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_compaction.csv"
 COMPACTION_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha")
 KVPRESS_METHODS = ("snapkv", "kvzip", "expected_attention")
-ARCKV_STAGES = ("repeat_prefill", "selection", "fit_rows", "merge", "beta_fit", "value_fit")
+ARCKV_STAGES = ("repeat_prefill", "reference_stats", "selection", "fit_rows", "merge", "beta_fit", "value_fit")
 FIELDS = ["section", "method", "ratio", "length", "stage", "seconds", "repeats", "threads", "dtype", "indexer",
           "config_id", "command", "date", "package_version", "machine"]
 
@@ -93,14 +95,16 @@ def document_ids(tok, haystack: str, length: int) -> tuple[torch.Tensor, int]:
     return encode_document(tok, tok.decode(doc[:length]))
 
 
-def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float) -> tuple[dict[str, float], int]:
+def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float,
+                   options: dict | None = None) -> tuple[dict[str, float], int]:
     """One ``compact_prefilled`` on a copy of the prefilled cache: its report's stage timings and
-    the reference rows per KV head that merging and the fits used (max over layers)."""
+    the reference rows per KV head that merging and the fits used (max over layers). ``options``:
+    further :class:`~arckv_press.api.CompactionConfig` fields (``--option``)."""
     from arckv_press.api import CompactionConfig, compact_prefilled
     from arckv_press.attention import disable_compact_attention
 
     work = clone_cache(model, cache)
-    config = CompactionConfig(method=method, ratio=ratio)
+    config = CompactionConfig(method=method, ratio=ratio, **(options or {}))
     try:
         t0 = time.perf_counter()
         result = compact_prefilled(model, tok, work, ids, prefix_len, config, already_prefilled=True)
@@ -145,17 +149,17 @@ def model_section(args, meta: dict) -> list[dict]:
     haystack = load_haystack(args.haystack)
     rows: list[dict] = []
     results: dict[tuple, dict[str, float]] = {}
-
-    from arckv_press.registry import result_ids
-
-    method_ids = {m: result_ids(m, mid) for m in methods if m != "none"}  # checkpoint and options behind each time
+    method_ids = {m: method_ids_with_options(m, mid, args.options) for m in methods if m != "none"}
 
     def record(method, ratio, length, stages):
-        results[(method, ratio, length)] = stages
-        for stage, sec in stages.items():
-            rows.append({"section": "model", "method": method, "ratio": f"{ratio:g}", "length": length, "stage": stage,
-                         "seconds": f"{sec:.4f}", "repeats": args.repeats, "threads": torch.get_num_threads(),
-                         "dtype": dtype, **method_ids.get(method, {}), **meta})
+        """Keep a method's stage times and write them at once (an interrupted run keeps them); the
+        summary uses the written (rounded) values, so ``--summary`` prints the same figures."""
+        results[(method, ratio, length)] = {k: float(f"{v:.4f}") for k, v in stages.items()}
+        new = [{"section": "model", "method": method, "ratio": f"{ratio:g}", "length": length, "stage": stage,
+                "seconds": f"{sec:.4f}", "repeats": args.repeats, "threads": torch.get_num_threads(),
+                "dtype": dtype, **method_ids.get(method, {}), **meta} for stage, sec in stages.items()]
+        append_rows(args.out, new, FIELDS)
+        rows.extend(new)
 
     with torch.inference_mode():
         # warm-up (untimed): a prefill and each kvpress press on a short context; each ARC-KV / AM
@@ -187,7 +191,7 @@ def model_section(args, meta: dict) -> list[dict]:
                         stages = {"press_total": total, "beyond_prefill": total - pre}
                         fit_rows = ""
                     else:
-                        runs = [run_compaction(model, tok, cache, ids, prefix_len, method, ratio)
+                        runs = [run_compaction(model, tok, cache, ids, prefix_len, method, ratio, args.options)
                                 for _ in range(args.repeats)]
                         stages = median_stages([r for r, _ in runs])
                         fit_rows = f" (fit rows per KV head, max over layers: {runs[0][1]})"
@@ -216,24 +220,47 @@ def print_model_summary(results: dict, args, methods: list[str]) -> None:
     print("(total: compact_total = repeat-prefill + per-layer compaction, prefill excluded; kvpress: prefill + "
           "compression)")
 
-    print("\nratios from this run:")
+    print("\nratios from this run (issue goals in brackets; post = everything after the repeat-prefill):")
     for length in args.lengths:
+        if ("none", 1.0, length) not in results:  # an interrupted run (--summary) that did not reach it
+            continue
         pre = results[("none", 1.0, length)]["prefill"]
         for ratio in args.ratios:
             for name in ("arckv", "arckv-ha", "arckv-vi"):  # each ARC-KV variant of the run against OMP
                 arc = results.get((name, ratio, length))
                 if arc is None:
                     continue
-                arc_layers = sum(arc.get(s, 0.0) for s in ARCKV_STAGES[1:])
-                parts = [f"{length:>6} tok, rho {ratio:g}:"]
-                for omp in ("am-omp", "am-omp-fast"):
+                post = post_repeat(arc)
+                parts = [f"{length:>6} tok, rho {ratio:g}, {name}: post/prefill {post / pre:.2f} "
+                         f"[<= 0.5 at 4K, 0.75 at 8K]; repeat/prefill {arc.get('repeat_prefill', 0.0) / pre:.2f} [<= 1.5]"]
+                for omp, goal, e2e_goal in (("am-omp-fast", 10, 2), ("am-omp", 25, 4)):
                     o = results.get((omp, ratio, length))
                     if o is not None:
-                        parts.append(f"{omp}/{name} {o['am_total'] / arc_layers:.2f}x per-layer, "
-                                     f"{o['compact_total'] / arc['compact_total']:.2f}x end-to-end;")
-                parts.append(f"{name} beyond repeat-prefill / prefill = {arc_layers / pre:.2f}, "
-                             f"repeat-prefill / prefill = {arc.get('repeat_prefill', 0.0) / pre:.2f}")
-                print(" ".join(parts))
+                        parts.append(f"{omp} select+fit / {name} post {o['am_total'] / post:.2f}x [>= {goal}]; "
+                                     f"end to end {o['compact_total'] / arc['compact_total']:.2f}x [>= {e2e_goal}, arckv-ha 4K]")
+                print("; ".join(parts))
+            idx, ha = results.get(("arckv", ratio, length)), results.get(("arckv-ha", ratio, length))
+            if idx is not None and ha is not None:
+                print(f"{length:>6} tok, rho {ratio:g}: indexer selection / HA selection "
+                      f"{selection_seconds(idx) / selection_seconds(ha):.2f} [<= 1.5 at 8K] "
+                      f"({selection_seconds(idx):.2f} s / {selection_seconds(ha):.2f} s, in-pass statistics included)")
+    for short, long in zip(args.lengths, args.lengths[1:]):
+        for ratio in args.ratios:
+            for name in ("arckv", "arckv-ha", "arckv-vi"):
+                a, b = results.get((name, ratio, short)), results.get((name, ratio, long))
+                if a is not None and b is not None:
+                    print(f"{name} rho {ratio:g}: post-repeat grows {post_repeat(b) / post_repeat(a):.2f}x from {short} "
+                          f"to {long} tokens [<= 2.5 from 4K to 8K]")
+
+
+def post_repeat(stages: dict[str, float]) -> float:
+    """Seconds of a compaction after its repeat-prefill: selection, witnesses, merging, fits, packing."""
+    return stages["compact_total"] - stages.get("repeat_prefill", 0.0)
+
+
+def selection_seconds(stages: dict[str, float]) -> float:
+    """Anchor selection: top-t and scoring after the pass plus the statistics gathered inside it."""
+    return stages.get("selection", 0.0) + stages.get("reference_stats", 0.0)
 
 
 def _synthetic_indexer(H: int, D: int):
@@ -260,59 +287,87 @@ def _indexer_selection(indexer, X, Q, K, V, budgets, scaling):
     return chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
 
 
-def synthetic_section(args, meta: dict) -> list[dict]:
-    from arckv_press.compaction.layer import LayerMethod, compact_layer
-    from arckv_press.compaction.omp import am_compact
+def _fused_layer(K, V, Q4, budgets, scaling, method, base_rows, merge_rows) -> dict[str, float]:
+    """The default ARC-KV pipeline on one synthetic layer: the reference pass's statistics over every
+    row (as the repeat-prefill gathers them), then :func:`compact_layer_from_stats`; stage seconds."""
+    from arckv_press.compaction.layer import compact_layer_from_stats
+    from arckv_press.compaction.stats import ReferenceStats, split_attention
 
-    H, D = 3, 64
+    H, G, N, D = Q4.shape
+    T = K.shape[1]
+    t0 = time.perf_counter()
+    st = ReferenceStats(H, G, N, T, V.shape[-1])
+    split_attention(Q4, K, V, (0, T), scaling, 0, st.block, on_block=lambda a, blk: st.update(a, blk, V))
+    t1 = time.perf_counter()
+    res = compact_layer_from_stats(K, V, Q4.reshape(H, G * N, D), st.result(), budgets, scaling, method, base_rows,
+                                   merge_rows)
+    t2 = time.perf_counter()
+    return {"reference_pass": t1 - t0, **res.timings, "post": t2 - t1, "total": t2 - t0}
+
+
+def synthetic_section(args, meta: dict) -> list[dict]:
+    from arckv_press.api import CompactionConfig
+    from arckv_press.compaction.omp import am_compact
+    from arckv_press.compaction.reference import grouped_rows, subsample_rows
+
+    H, G, D = 3, 3, 64
     scaling = D**-0.5
     Ts = [T for T in (1024, 2048, 4096, 8192, 16384, 32768, 65536) if T <= args.max_T]
     indexer = _synthetic_indexer(H, D)
-    print(f"\nsynthetic heads: H={H}, D={D}, n = max({args.queries}, 2t) reference rows per head, float32, T in {Ts}, "
-          f"rho {' '.join(f'{r:g}' for r in args.synthetic_ratios)}; median of {args.repeats} repeat(s); "
-          + ("learned indexer: the shipped one, layer 0" if indexer is not None else "no learned indexer shipped"))
-    head = (f"{'T':>6} {'rho':>5} {'n':>5} | {'arckv-ha s':>10} {'select':>7} {'merge':>7} {'beta':>7} {'C_v':>7} | "
-            f"{'idx-sel s':>9} | {'omp-fast s':>10} {'omp/arc':>8} {'omp/idx-sel':>11}")
+    config = CompactionConfig(method="arckv-ha")
+    method = config.layer_method()
+    print(f"\nsynthetic heads: H={H} KV heads, G={G} query heads each, D={D}, float32, T in {Ts}, "
+          f"rho {' '.join(f'{r:g}' for r in args.synthetic_ratios)}; median of {args.repeats} repeat(s).\n"
+          f"arckv-ha: the default pipeline, one reference row per query head and position (G T rows), its "
+          f"statistics pass ('pass', done inside the repeat-prefill on a model) and everything after it ('post': "
+          f"top-t, witnesses, merging on {config.merge_rows} rows, fits on the {config.query_budget} budget rows + "
+          f"witnesses). OMP-fast on n = max({args.queries}, 2t) rows. "
+          + ("Learned indexer: the shipped one, layer 0, on the budget rows." if indexer is not None else
+             "No learned indexer shipped."))
+    head = (f"{'T':>6} {'rho':>5} | {'pass s':>8} {'post s':>8} {'merge':>7} {'beta':>7} {'C_v':>7} {'total':>8} | "
+            f"{'idx-sel s':>9} | {'omp-fast s':>10} {'omp/post':>9}")
     print(head)
     print("-" * len(head), flush=True)
     rows = []
     gen = torch.Generator().manual_seed(args.seed)
-    method = LayerMethod("arckv-ha")
     omp_stopped = omp_skipped = False
-    # warm-up (untimed)
-    Kw, Vw, Qw = (torch.randn(H, m, D, generator=gen) for m in (512, 512, 256))
-    compact_layer(Kw, Vw, Qw, torch.full((H,), 51), scaling, method)
-    am_compact(Qw, Kw, Vw, torch.full((H,), 51), scaling, "omp-fast")
-    if indexer is not None:
-        _indexer_selection(indexer, torch.randn(Qw.shape[1], indexer.config.d_x, generator=gen), Qw, Kw, Vw, torch.full((H,), 51), scaling)
 
     def timing_row(method_name: str, ratio: float, T: int, stage: str, seconds: float) -> dict:
         return {"section": "synthetic", "method": method_name, "ratio": f"{ratio:g}", "length": T, "stage": stage,
                 "seconds": f"{seconds:.4f}", "repeats": args.repeats, "threads": torch.get_num_threads(),
                 "dtype": "float32", **meta}
 
+    def budget_rows(T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = subsample_rows(T, config.query_budget // G, config.seed)
+        merge = pos[subsample_rows(pos.numel(), config.merge_rows // G, config.seed + 1)]
+        return grouped_rows(pos, T, G), grouped_rows(merge, T, G)
+
+    # warm-up (untimed)
+    Kw, Vw = torch.randn(H, 512, D, generator=gen), torch.randn(H, 512, D, generator=gen)
+    Qw = torch.randn(H, G, 512, D, generator=gen)
+    _fused_layer(Kw, Vw, Qw, torch.full((H,), 51), scaling, method, *budget_rows(512))
+    am_compact(Qw.reshape(H, -1, D)[:, :256], Kw, Vw, torch.full((H,), 51), scaling, "omp-fast")
+
     for T in Ts:
         K, V = torch.randn(H, T, D, generator=gen), torch.randn(H, T, D, generator=gen)
+        Q4 = torch.randn(H, G, T, D, generator=gen)
+        base, merge = budget_rows(T)
         for ratio in args.synthetic_ratios:
             t = max(1, int(ratio * T))
             budgets = torch.full((H,), t)
-            n = max(args.queries, 2 * t)
-            Q = torch.randn(H, n, D, generator=gen)
-            X = torch.randn(n, indexer.config.d_x, generator=gen) if indexer is not None else None
-            runs = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                res = compact_layer(K, V, Q, budgets, scaling, method)
-                runs.append({**res.timings, "total": time.perf_counter() - t0})
-            arc = median_stages(runs)
+            arc = median_stages([_fused_layer(K, V, Q4, budgets, scaling, method, base, merge)
+                                 for _ in range(args.repeats)])
             idx_sel = None
             if indexer is not None:
-                idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Q, K, V, budgets, scaling), args.repeats,
-                                         warmup=0)
+                Qb = Q4.reshape(H, -1, D)[:, base]
+                X = torch.randn(Qb.shape[1], indexer.config.d_x, generator=gen)
+                idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Qb, K, V, budgets, scaling),
+                                         args.repeats, warmup=0)
                 rows.append(timing_row("arckv", ratio, T, "selection", idx_sel))
             omp = None
             if not omp_stopped:
-                omp = median_seconds(partial(am_compact, Q, K, V, budgets, scaling, "omp-fast"), args.repeats, warmup=0)
+                Qo = torch.randn(H, max(args.queries, 2 * t), D, generator=gen)
+                omp = median_seconds(partial(am_compact, Qo, K, V, budgets, scaling, "omp-fast"), args.repeats, warmup=0)
                 omp_stopped = omp > args.omp_cap
             rows += [timing_row("arckv-ha", ratio, T, stage, sec) for stage, sec in arc.items()]
             if omp is not None:
@@ -320,12 +375,12 @@ def synthetic_section(args, meta: dict) -> list[dict]:
             idx_txt = f"{idx_sel:>9.2f}" if idx_sel is not None else f"{'-':>9}"
             if omp is None:
                 omp_skipped = True
-                omp_txt = f"{'skipped':>10} {'-':>8} {'-':>11}"
+                omp_txt = f"{'skipped':>10} {'-':>9}"
             else:
-                per_idx = f"{omp / idx_sel:>10.1f}x" if idx_sel is not None else f"{'-':>11}"
-                omp_txt = f"{omp:>10.2f} {omp / arc['total']:>7.2f}x {per_idx}"
-            print(f"{T:>6} {ratio:>5g} {n:>5} | {arc['total']:>10.2f} {arc.get('selection', 0):>7.2f} {arc.get('merge', 0):>7.2f} "
-                  f"{arc.get('beta_fit', 0):>7.2f} {arc.get('value_fit', 0):>7.2f} | {idx_txt} | {omp_txt}", flush=True)
+                omp_txt = f"{omp:>10.2f} {omp / arc['post']:>8.2f}x"
+            print(f"{T:>6} {ratio:>5g} | {arc['reference_pass']:>8.2f} {arc['post']:>8.2f} {arc.get('merge', 0):>7.2f} "
+                  f"{arc.get('beta_fit', 0):>7.2f} {arc.get('value_fit', 0):>7.2f} {arc['total']:>8.2f} | {idx_txt} | "
+                  f"{omp_txt}", flush=True)
     if omp_skipped:
         print(f"(OMP-fast not run beyond the first length where it took more than --omp-cap {args.omp_cap:g} s)")
     return rows
@@ -352,7 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-synthetic", action="store_true", help="only the model section")
     p.add_argument("--quick", action="store_true", help="1K only, rho 0.1 and 0.02, one repeat, synthetic T <= 4096")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--option", dest="options", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
+                   help="a CompactionConfig option for the ARC-KV / AM methods (repeatable), e.g. "
+                        "max_head_multiple=4.0; rows carry its config_id")
+    p.add_argument("--summary", action="store_true",
+                   help="run nothing: print the model section's summary and ratios from --out (current options)")
     args = p.parse_args(argv)
+    args.options = dict(args.options)
     q = args.quick
     args.methods = args.methods or [*COMPACTION_METHODS, *KVPRESS_METHODS]
     args.ratios = args.ratios or ([0.1, 0.02] if q else [0.2, 0.1, 0.05, 0.02, 0.01])
@@ -365,14 +426,64 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     print_header("compaction cost (scripts/bench_compaction.py)", argv=None if argv is None else [sys.argv[0], *argv])
     meta = run_meta()
+    if args.summary:
+        summary_from_csv(args)
+        return 0
     rows = []
     if not args.skip_model:
-        rows += model_section(args, meta)
+        rows += model_section(args, meta)  # written method by method
     if not args.skip_synthetic:
-        rows += synthetic_section(args, meta)
-    append_rows(args.out, rows, FIELDS)
+        synthetic = synthetic_section(args, meta)
+        append_rows(args.out, synthetic, FIELDS)
+        rows += synthetic
     print(f"\nwrote {len(rows)} rows to {args.out}")
     return 0
+
+
+def method_ids_with_options(method: str, model_id: str, options: dict) -> dict[str, str]:
+    """The indexer and options ids a timing row of ``method`` carries (``--option`` included, for
+    ARC-KV / Attention Matching methods)."""
+    from arckv_press.registry import METHODS, result_ids
+
+    extra = {"config_options": options} if options and METHODS[method].ours else {}
+    return result_ids(method, model_id, **extra)
+
+
+def parse_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE a Python literal (``4.0``, ``None``, ``'separate'``) or a bare word."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def summary_from_csv(args) -> None:
+    """Print the model section's summary and ratios from ``args.out``, from the rows of one run: the
+    last one that wrote a row for these methods and lengths with the options they use now (with
+    ``--option``: those options). An interrupted run can still be summarised."""
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.runinfo import is_current, read_rows
+
+    model = args.model or DEFAULT_MODEL_ID
+    ids = {m: method_ids_with_options(m, model, args.options) for m in args.methods}
+    rows = [r for r in read_rows(args.out) if r["section"] == "model" and int(r["length"]) in args.lengths
+            and (r["method"] == "none" or (r["method"] in ids and is_current(r, ids[r["method"]])))]
+    if not rows:
+        raise SystemExit(f"{args.out} has no model-section rows for these methods and lengths")
+    last = (rows[-1]["date"], rows[-1]["command"])  # ratios of one run only: the one written last
+    results: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if (r["date"], r["command"]) == last:
+            results.setdefault((r["method"], float(r["ratio"]), int(r["length"])), {})[r["stage"]] = float(r["seconds"])
+    print(f"run of {last[0]} on {rows[-1]['machine']}: {last[1]}")
+    if not any(k[0] == "none" for k in results):
+        raise SystemExit(f"{args.out} has no prefill time at lengths {args.lengths}")
+    print_model_summary(results, args, [m for m in args.methods if any(k[0] == m for k in results)])
 
 
 if __name__ == "__main__":

@@ -185,13 +185,14 @@ def load_script(name: str):
 
 
 def assert_ratio_of_rounded(printed: float, num: float, den: float, csv_decimals: int, print_decimals: int = 2,
-                            den_terms: int = 1):
+                            den_terms: int = 1, num_terms: int = 1):
     """A script printed ``printed`` = num/den rounded to ``print_decimals``, and wrote ``num`` and ``den``
     rounded to ``csv_decimals``. On tiny models the times are milliseconds, so the quotient of the rounded
     values can differ from the printed ratio by far more than a relative tolerance: check the printed ratio
-    lies in the interval the rounded values allow instead. ``den_terms``: how many rounded values ``den`` sums."""
+    lies in the interval the rounded values allow instead. ``den_terms`` / ``num_terms``: how many rounded
+    values ``den`` / ``num`` sum (or subtract)."""
     e, p = 0.5 * 10.0**-csv_decimals, 0.5 * 10.0**-print_decimals
-    d = den_terms * e
-    low = (num - e) / (den + d)
-    high = (num + e) / (den - d) if den > d else float("inf")
+    d, n = den_terms * e, num_terms * e
+    low = (num - n) / (den + d)
+    high = (num + n) / (den - d) if den > d else float("inf")
     assert low - p <= printed <= high + p, (printed, num, den)

@@ -19,7 +19,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from arckv_press.api import METHODS, CompactionConfig, _reference_positions, compact, compact_prefilled
 from arckv_press.cache import CompactCache, CompactLayer
 from arckv_press.capture import framing_for, prefill, repeat_prefill
-from arckv_press.compaction.fit import compact_attention, full_attention
+from arckv_press.compaction.fit import FitConfig, compact_attention, full_attention, fit_beta, fit_values
 from arckv_press.compaction.layer import LayerMethod, compact_layer
 from arckv_press.compaction.reference import group_queries_by_kv_head
 from arckv_press.models import describe_attention_layout
@@ -178,19 +178,12 @@ def test_api_feeds_compact_layer_the_captured_queries(tiny_model, tiny_tokenizer
         torch.testing.assert_close(layer.cv, res.C_v[res.valid], atol=1e-5, rtol=0)
 
 
-def test_default_scores_all_positions_and_allocates_globally(tiny_model, tiny_tokenizer):
-    """Defaults (score_queries="all", allocation="global") against a brute-force reference: HA
-    scores (RMS of per-row softmax over the document) from the repeat queries of *every* position,
-    one global top-k over all layers and heads (each head keeps its best position first), and the
-    fits on the ``query_budget`` rows plus each anchor's witness: the captured row with the largest
-    attention probability on it (brute-force argmax here); ``fit_witnesses=False`` fits on the
-    budget rows only."""
+def _three_layer_reference(tiny_model, tiny_tokenizer):
+    """A 3-layer tiny llama, a 60-character text, its document K / V per layer and the repeat
+    queries of every position, captured separately (the brute-force references' inputs)."""
     model = tiny_model("llama", num_layers=3)
     tok = tiny_tokenizer()
     text = make_text(60, seed=7)
-    layout = describe_attention_layout(model)
-    H, G = layout.num_kv_heads, layout.group_size
-    config = CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3)
     with torch.no_grad():
         ids, _, P = kvpress_ids(tok, text, "?")
         T = ids.shape[1] - P
@@ -199,8 +192,25 @@ def test_default_scores_all_positions_and_allocates_globally(tiny_model, tiny_to
         K = [l.keys[0, :, P:].clone() for l in dyn.layers]
         V = [l.values[0, :, P:].clone() for l in dyn.layers]
         store = repeat_prefill(model, tok, dyn, ids[:, P:], framing_for(tok).suffix_ids, [0, 1, 2], torch.arange(T))
-        cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3)
-        plain = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3, fit_witnesses=False)
+    return model, tok, text, describe_attention_layout(model), T, K, V, store
+
+
+def test_separate_pipeline_scores_all_positions_and_allocates_globally(tiny_model, tiny_tokenizer):
+    """The separate pipeline (``pipeline="separate"``, no per-head cap, float64 products: the
+    release before the fused pipeline) against a brute-force reference: HA
+    scores (RMS of per-row softmax over the document) from the repeat queries of *every* position,
+    one global top-k over all layers and heads (each head keeps its best position first), and the
+    fits on the ``query_budget`` rows plus each anchor's witness: the captured row with the largest
+    attention probability on it (brute-force argmax here); ``fit_witnesses=False`` fits on the
+    budget rows only."""
+    model, tok, text, layout, T, K, V, store = _three_layer_reference(tiny_model, tiny_tokenizer)
+    H, G = layout.num_kv_heads, layout.group_size
+    config = CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3)
+    with torch.no_grad():
+        # the separate pipeline with the options of the release before the fused one
+        before = dict(pipeline="separate", max_head_multiple=None, fit=FitConfig(gram_dtype="float64"))
+        cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3, **before)
+        plain = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3, fit_witnesses=False, **before)
     budget_pos, _ = _reference_positions(T, G, config)
     scores = []
     for i in range(3):
@@ -224,7 +234,7 @@ def test_default_scores_all_positions_and_allocates_globally(tiny_model, tiny_to
     for i, (layer, plain_layer) in enumerate(zip(cache.compact_layers, plain.compact_layers)):
         Q_all = group_queries_by_kv_head(store.layer(i)[1][None], H)
         probs = torch.softmax(Q_all.double() @ K[i].double().transpose(1, 2) * layout.scaling, dim=-1)
-        method = LayerMethod("arckv-ha", fit_witnesses=False)
+        method = LayerMethod("arckv-ha", fit_witnesses=False, fit=FitConfig(gram_dtype="float64"))
         Q_budget = group_queries_by_kv_head(store.layer(i)[1][None, :, budget_pos], H)
         res = compact_layer(K[i], V[i], Q_budget, budgets[i], layout.scaling, method, scores=scores[i].float())
         torch.testing.assert_close(plain_layer.ck, res.C_k[res.valid], atol=1e-5, rtol=0)
@@ -244,6 +254,65 @@ def test_default_scores_all_positions_and_allocates_globally(tiny_model, tiny_to
         torch.testing.assert_close(layer.cv, res.C_v[res.valid], atol=1e-4, rtol=0)
     assert plain.report.reference_rows == G * (40 // G)  # without witnesses: the budget rows only
     assert cache.report.reference_rows == G * n_fit  # the largest over the layers
+
+
+def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
+    """The default fused pipeline against a brute-force reference from the separately captured
+    queries: HA scores from every position, the global allocation (floor and cap), and per KV head
+    the fits on the budget rows plus its own anchors' witness rows (argmax of the attention
+    probability; ties to the lowest position, then query head), with targets recomputed from K;
+    a head keeping more than ``verbatim_fraction`` of the positions keeps its anchors as they are."""
+    from arckv_press.compaction.merge import merge_keys
+    from arckv_press.compaction.select import global_budgets
+
+    model, tok, text, layout, T, K, V, store = _three_layer_reference(tiny_model, tiny_tokenizer)
+    H, G = layout.num_kv_heads, layout.group_size
+    config = CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3)
+    with torch.no_grad():
+        cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3)
+    assert config.pipeline == "fused" and config.merge_rows >= 40  # merging on all budget rows here
+    budget_pos, _ = _reference_positions(T, G, config)
+    base = [g * T + p for g in range(G) for p in budget_pos.tolist()]
+    Qs = [group_queries_by_kv_head(store.layer(i)[1][None], H).double() for i in range(3)]
+    probs = [torch.softmax(Qs[i] @ K[i].double().transpose(1, 2) * layout.scaling, dim=-1) for i in range(3)]
+    scores = torch.stack([p.pow(2).mean(dim=1).sqrt() for p in probs]).float()
+    budgets = global_budgets(scores, 0.2, min_fraction=config.min_head_fraction, max_multiple=config.max_head_multiple)
+    assert [layer.lengths.tolist() for layer in cache.compact_layers] == budgets.tolist()
+    n_fit = verbatim = 0
+    for i, layer in enumerate(cache.compact_layers):
+        offset = 0
+        for h in range(H):
+            t = int(budgets[i, h])
+            anchors = torch.sort(torch.sort(scores[i, h], descending=True, stable=True).indices[:t]).values
+            if t > (config.verbatim_fraction or 1.0) * T:  # keeps nearly everything: anchors as they are
+                verbatim += 1
+                torch.testing.assert_close(layer.ck[offset:offset + t], K[i][h, anchors])
+                torch.testing.assert_close(layer.cv[offset:offset + t], V[i][h, anchors])
+                assert (layer.beta[offset:offset + t] == 0).all()
+                offset += t
+                continue
+            witness = []
+            for j in anchors.tolist():
+                col = probs[i][h, :, j]
+                best = max(range(G * T), key=lambda r: (float(col[r]), -(r % T), -(r // T)))
+                witness.append(best)
+            rows = base + sorted(set(witness) - set(base))
+            n_fit = max(n_fit, len(rows))
+            Qh, Qm = Qs[i][h:h + 1, rows].float(), Qs[i][h:h + 1, base].float()
+            Kh, Vh = K[i][h:h + 1], V[i][h:h + 1]
+            C_k, _ = merge_keys(Qm, Kh, anchors[None], None, layout.scaling, config.lambda_m)
+            beta, _ = fit_beta(Qh, Kh, C_k, layout.scaling, config=config.fit)
+            C_v = fit_values(Qh, Kh, Vh, C_k, beta, layout.scaling, config=config.fit)
+            torch.testing.assert_close(layer.ck[offset:offset + t], C_k[0], atol=1e-5, rtol=0)
+            # beta of a nearly singular mass system moves with rounding of its targets; what the fits
+            # reproduce, the compact attention output on the fit rows, must agree
+            got = compact_attention(Qh, layer.ck[None, offset:offset + t], layer.beta[None, offset:offset + t],
+                                    layer.cv[None, offset:offset + t], layout.scaling)
+            ref = compact_attention(Qh, C_k, beta.float(), C_v, layout.scaling)
+            torch.testing.assert_close(got, ref, atol=2e-3, rtol=0)
+            offset += t
+    assert cache.report.reference_rows == n_fit
+    assert verbatim == 0  # the default merges and fits every head
 
 
 @pytest.mark.parametrize("as_file", [False, True])
@@ -489,6 +558,16 @@ def test_min_head_fraction_floors_global_budgets(tiny_model, tiny_tokenizer):
         compact(model, tok, text, "arckv-ha", 0.2, min_head_fraction=1.5)
 
 
+@pytest.mark.parametrize("bad", [dict(pipeline="fast"), dict(merge_rows=0), dict(merge_rows=2.5),
+                                 dict(max_head_multiple=0.5), dict(max_head_multiple=float("nan")),
+                                 dict(verbatim_fraction=1.5), dict(indexer_rows="some")])
+def test_fused_pipeline_options_are_validated(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        CompactionConfig(method="arckv-ha", **bad)
+    with pytest.raises(ValueError, match="gram_dtype"):
+        FitConfig(gram_dtype="float16")
+
+
 def test_config_id_covers_the_options_that_shape_a_result():
     """``config_id`` changes with every option that changes a compaction's result and with nothing
     else: not the kept fraction or progress bars, and for Attention Matching not the ARC-KV-only
@@ -504,13 +583,21 @@ def test_config_id_covers_the_options_that_shape_a_result():
     assert base == cid(method="arckv-ha", ratio=0.02, progress=True, min_length=99) and len(base) == 12
     for change in (dict(min_head_fraction=0.25), dict(lambda_m=0.0), dict(fit_witnesses=False), dict(seed=1),
                    dict(query_budget=512), dict(allocation="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
-                   dict(budget_weights=torch.ones(3, 2))):
+                   dict(budget_weights=torch.ones(3, 2)), dict(pipeline="separate"), dict(merge_rows=None),
+                   dict(max_head_multiple=4.0), dict(verbatim_fraction=0.5), dict(fit=FitConfig(gram_dtype="float64"))):
         assert cid(method="arckv-ha", **change) != base, change
     assert cid(method="arckv-vi") != base
+    # indexer_rows shapes only the learned indexer's results
+    assert cid(method="arckv-ha", indexer_rows="budget") == base
+    assert cid(method="arckv", indexer_rows="budget") != cid(method="arckv")
     assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) == cid(method="arckv-ha", budget_weights=torch.ones(3, 2))
     assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) != cid(method="arckv-ha", budget_weights=2 * torch.ones(3, 2))
     am = cid(method="am-omp")
-    assert am == cid(method="am-omp", min_head_fraction=0.25, lambda_m=0.0, fit_witnesses=False, allocation="fixed")
+    assert am == cid(method="am-omp", min_head_fraction=0.25, lambda_m=0.0, fit_witnesses=False, allocation="fixed",
+                     pipeline="separate", merge_rows=7, max_head_multiple=4.0, verbatim_fraction=0.5,
+                     fit=FitConfig(gram_dtype="float64"))
+    # the id of the AM defaults is the one stored with the AM results before the fused pipeline existed
+    assert am == "eec358ad3241" and cid(method="am-omp-fast") == "47c5d1e0b5cc"
     assert am != cid(method="am-omp", query_budget=512) and am != cid(method="am-omp-fast")
     assert method_config_id("arckv-ha") == base
     assert method_config_id("arckv-ha", min_head_fraction=0.25) == cid(method="arckv-ha", min_head_fraction=0.25)
@@ -540,3 +627,26 @@ def test_residual_indexer_at_initialisation_compacts_like_its_training_free_base
         assert torch.equal(a.lengths, b.lengths)
         for name in ("ck", "beta", "cv"):
             torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-6)
+
+
+def test_indexer_on_budget_rows_equals_all_rows_when_the_budget_covers_every_position(tiny_model, tiny_tokenizer):
+    """``indexer_rows="budget"`` scores the budget rows only; when the budget holds every position
+    the two settings score the same rows and give the same cache, and with a smaller budget the
+    anchors come from fewer rows (different lengths or keys somewhere)."""
+    from arckv_press.indexer.model import IndexerConfig, ValueAwareIndexer
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    cfg = IndexerConfig.from_model_config(model.config, base_logit_scale=describe_attention_layout(model).scaling)
+    indexer = ValueAwareIndexer(cfg, seed=5)
+    text = make_text(400, seed=3)
+    with torch.inference_mode():
+        every = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=100_000)
+        budget = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=100_000, indexer_rows="budget")
+        few = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=24, indexer_rows="budget")
+        few_all = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=24)
+    for a, b in zip(every.layers, budget.layers):
+        assert torch.equal(a.lengths, b.lengths)
+        for name in ("ck", "beta", "cv"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name))
+    assert any(not torch.equal(a.lengths, b.lengths) or a.ck.shape != b.ck.shape or not torch.equal(a.ck, b.ck)
+               for a, b in zip(few.layers, few_all.layers))

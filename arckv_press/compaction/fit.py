@@ -77,6 +77,10 @@ class FitConfig:
     block_rows: query rows per block. 256 keeps each ``[rows, T]`` temporary small enough for the
         CPU caches at T of a few thousand (measured at T = 4K, 11.5K rows: 1.3-1.5x faster than 1024).
     nnls_max_iter: cap on Lawson--Hanson iterations (None: 3 * t + 10).
+    gram_dtype: dtype of each row block's products Phi^T Phi, P^T P and P^T Y ("float32" or
+        "float64") for float32 inputs (float64 inputs always use float64), summed over row blocks
+        in that dtype and solved in float64. The rows are float32 exponentials, so float32
+        products lose no input precision; "float64" was the default before the fused pipeline.
     """
 
     eps_w: float = 1e-12
@@ -90,6 +94,7 @@ class FitConfig:
     values: str = "fit"
     block_rows: int = 256
     nnls_max_iter: int | None = None
+    gram_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.eps_w) and self.eps_w > 0):
@@ -107,6 +112,8 @@ class FitConfig:
         if self.values not in VALUE_MODES:
             raise ValueError(f"values must be one of {VALUE_MODES}, got {self.values!r}")
         _check_positive_int(self.block_rows, "block_rows")
+        if self.gram_dtype not in ("float32", "float64"):
+            raise ValueError(f"gram_dtype must be 'float32' or 'float64', got {self.gram_dtype!r}")
         if self.nnls_max_iter is not None:
             _check_positive_int(self.nnls_max_iter, "nnls_max_iter")
 
@@ -274,29 +281,49 @@ def _check_compact(C: torch.Tensor, name: str, H: int, D: int | None, device: to
         raise ValueError(f"{name} on {C.device} but expected {device}")
 
 
+def _gram_dtype(config: FitConfig, compute_dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, else ``config.gram_dtype``."""
+    return torch.float64 if compute_dtype == torch.float64 else getattr(torch, config.gram_dtype)
+
+
 def _mass_normal_equations(
-    Q: torch.Tensor, K: torch.Tensor, C_k: torch.Tensor, scaling: float, valid: torch.Tensor, block_rows: int
+    Q: torch.Tensor, K: torch.Tensor, C_k: torch.Tensor, scaling: float, valid: torch.Tensor, block_rows: int,
+    targets: tuple[torch.Tensor, torch.Tensor] | None = None, gram_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate A = Phi_C^T Phi_C and b = Phi_C^T Phi_K 1 per head (float64).
 
     Phi rows are shifted by z_i = max_j scaling * q_i . k_j over the FULL K (paper
-    Eq. (mass_fit)).
+    Eq. (mass_fit)). ``targets = (z, lse)`` ``[H, n]`` (the row maxima and log-sum-exps of the
+    full-cache logits, :mod:`.stats`) replace the pass over K: Phi_K 1 = exp(lse - z).
     """
     cd = _compute_dtype(Q, K, C_k)
     Kt, Ct = K.to(cd).transpose(1, 2), C_k.to(cd).transpose(1, 2)
     H, t = valid.shape
-    A = torch.zeros(H, t, t, dtype=torch.float64, device=K.device)
+    A = torch.zeros(H, t, t, dtype=gram_dtype, device=K.device)     # summed in place in gram_dtype
     b = torch.zeros(H, t, dtype=torch.float64, device=K.device)
     vm = valid[:, None, :]
     for lo, hi in _row_blocks(Q.shape[1], block_rows):
         Qb = Q[:, lo:hi].to(cd) * scaling
-        Lk = Qb @ Kt
-        z = Lk.amax(-1, keepdim=True)
-        zf = torch.exp(Lk - z).sum(-1).double()                       # Phi_K 1, [H, b]
-        phi_c = torch.exp(Qb @ Ct - z).masked_fill(~vm, 0.0).double()  # Phi_C, [H, b, t]
-        A.baddbmm_(phi_c.transpose(1, 2), phi_c)                        # in place: A is [H, t, t]
-        b.add_((phi_c.transpose(1, 2) @ zf[..., None])[..., 0])
-    return A, b
+        if targets is None:
+            Lk = Qb @ Kt
+            z = Lk.amax(-1, keepdim=True)
+            zf = torch.exp(Lk - z).sum(-1).double()                   # Phi_K 1, [H, b]
+        else:
+            z = targets[0][:, lo:hi, None].to(cd)
+            zf = torch.exp(targets[1][:, lo:hi].double() - targets[0][:, lo:hi].double())
+        phi_c = torch.exp(Qb @ Ct - z).masked_fill(~vm, 0.0).to(gram_dtype)  # Phi_C, [H, b, t]
+        A.baddbmm_(phi_c.transpose(1, 2), phi_c)                               # in place: A is [H, t, t]
+        b.add_((phi_c.double().transpose(1, 2) @ zf[..., None])[..., 0])
+    return A.double(), b
+
+
+def _check_row_targets(targets, shape) -> None:
+    if not isinstance(targets, tuple) or len(targets) != 2:
+        raise TypeError("targets must be a (row_max, row_lse) pair")
+    for name, x in zip(("row_max", "row_lse"), targets):
+        _check_float(x, name, 2)
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)} (heads x rows of Q), got {tuple(x.shape)}")
 
 
 def fit_beta(
@@ -306,6 +333,7 @@ def fit_beta(
     scaling: float,
     valid: torch.Tensor | None = None,
     config: FitConfig = FitConfig(),
+    targets: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention-mass bias (paper Eq. (mass_fit)).
 
@@ -314,6 +342,9 @@ def fit_beta(
     (``ls_clamp``: normal equations with a ``mass_ridge`` relative Tikhonov term, Cholesky in
     float64, then w* = max(w~, 0); ``nnls``: exact NNLS); beta = clip(log(max(w*, eps_w)),
     b_min, b_max).
+
+    ``targets = (z, lse)`` ``[H, n]``: the full-cache row maxima and log-sum-exps, when the
+    reference pass already computed them (:mod:`.stats`); ``K`` is then not read again.
 
     Returns ``beta`` ``[H, t]`` (dtype of K) and ``w*`` ``[H, t]`` float32. Invalid slots
     get beta = 0 and w = 0; callers must pass ``valid`` downstream.
@@ -326,7 +357,10 @@ def fit_beta(
     valid = _check_valid(valid, H, t, K.device)
     if not isinstance(config, FitConfig):
         raise TypeError(f"config must be a FitConfig, got {type(config).__name__}")
-    A, b = _mass_normal_equations(Q, K, C_k, scaling, valid, config.block_rows)
+    if targets is not None:
+        _check_row_targets(targets, Q.shape[:2])
+    A, b = _mass_normal_equations(Q, K, C_k, scaling, valid, config.block_rows, targets,
+                                  _gram_dtype(config, _compute_dtype(Q, K, C_k)))
     ridge = config.mass_ridge * _mean_diag(A, valid)
     if config.mass_solver == "ls_clamp":
         w, jitter = _masked_spd_solve(A, b, valid, ridge)
@@ -437,6 +471,7 @@ def fit_values(
     config: FitConfig = FitConfig(),
     ridge: float | None = None,
     prior: torch.Tensor | None = None,
+    Y: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compact values C_v ``[H, t, Dv]`` (dtype of K), paper Eq. (value_lstsq).
 
@@ -449,7 +484,8 @@ def fit_values(
     :func:`spd_solve` directly to get the jitter per head). Invalid slots get zero rows.
 
     ``prior`` ``[H, t, Dv]`` (required iff ``config.value_prior == "anchor"``): the ridge then
-    shrinks toward it, (P^T P + lambda I) C = P^T Y + lambda prior.
+    shrinks toward it, (P^T P + lambda I) C = P^T Y + lambda prior. ``Y`` ``[H, n, Dv]``: the
+    full-cache outputs when the reference pass already computed them (:mod:`.stats`).
     """
     _check_qk(Q, K)
     _check_values(V, K)
@@ -472,17 +508,23 @@ def fit_values(
         _check_float(prior, "prior", 3)
         if tuple(prior.shape) != (H, t, V.shape[-1]):
             raise ValueError(f"prior must have shape {(H, t, V.shape[-1])}, got {tuple(prior.shape)}")
+    if Y is not None:
+        _check_float(Y, "Y", 3)
+        if tuple(Y.shape) != (*Q.shape[:2], V.shape[-1]):
+            raise ValueError(f"Y must have shape {(*Q.shape[:2], V.shape[-1])} (rows of Q x value width), got {tuple(Y.shape)}")
     cd = _compute_dtype(Q, K, V, C_k, beta)
     Kt, Vc = K.to(cd).transpose(1, 2), V.to(cd)
     Ct, bc = C_k.to(cd).transpose(1, 2), beta.to(cd)
-    G = torch.zeros(H, t, t, dtype=torch.float64, device=K.device)
-    R = torch.zeros(H, t, V.shape[-1], dtype=torch.float64, device=K.device)
+    gd = _gram_dtype(config, cd)
+    G = torch.zeros(H, t, t, dtype=gd, device=K.device)               # summed in place in gd (no temporaries)
+    R = torch.zeros(H, t, V.shape[-1], dtype=gd, device=K.device)
     for lo, hi in _row_blocks(Q.shape[1], config.block_rows):
         Qb = Q[:, lo:hi].to(cd) * scaling
-        Y = (torch.softmax(Qb @ Kt, dim=-1) @ Vc).double()
-        P = _compact_probs(Qb, Ct, bc, valid).double()
+        Yb = (torch.softmax(Qb @ Kt, dim=-1) @ Vc if Y is None else Y[:, lo:hi]).to(gd)
+        P = _compact_probs(Qb, Ct, bc, valid).to(gd)
         G.baddbmm_(P.transpose(1, 2), P)                                 # in place: G is [H, t, t]
-        R.baddbmm_(P.transpose(1, 2), Y)
+        R.baddbmm_(P.transpose(1, 2), Yb)
+    G, R = G.double(), R.double()
     scale = _mean_diag(G, valid) if config.ridge_relative else torch.ones(H, dtype=torch.float64, device=K.device)
     if prior is not None:
         R = R + (lam * scale)[:, None, None] * prior.double()

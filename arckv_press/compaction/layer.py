@@ -25,9 +25,11 @@ from arckv_press.compaction.merge import check_anchors, merge_keys
 from arckv_press.compaction.omp import am_compact
 from arckv_press.compaction.reference import grouped_rows
 from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, vi_scores
-from arckv_press.compaction.witness import fit_positions_with_witnesses
+from arckv_press.compaction.stats import ReferenceStats
+from arckv_press.compaction.witness import block_witnesses, fit_positions_with_witnesses, head_fit_rows
 
-__all__ = ["LayerMethod", "LayerResult", "compact_layer", "anchor_scores", "ARCKV_SELECTORS", "AM_VARIANTS"]
+__all__ = ["LayerMethod", "LayerResult", "compact_layer", "compact_layer_from_stats", "anchor_scores",
+           "ARCKV_SELECTORS", "AM_VARIANTS"]
 
 ARCKV_SELECTORS = {"arckv": "indexer", "arckv-ha": "ha", "arckv-vi": "vi"}
 AM_VARIANTS = {"am-omp": "omp", "am-omp-fast": "omp-fast", "am-ha": "ha"}
@@ -45,6 +47,9 @@ class LayerMethod:
         fit: beta / C_v fitting options.
         block: position block of the merge assignment (bounds memory; 256 keeps the ``[n, block]``
             profiles in the CPU caches: measured 1.9x faster than 4096 at T = 4K, 11.5K rows).
+        verbatim_fraction: :func:`compact_layer_from_stats` only: a head keeping more than this
+            fraction of its positions keeps its anchors' keys and values, beta = 0, unmerged and
+            unfitted (``None``: none does).
         fit_witnesses: when merging and the fits use a subset of the scoring pool, add every
             anchor's witness query (the pooled row that attends to it most, :mod:`.witness`)
             to that subset. Measured on the default model (README, "Why ARC-KV lost needles"):
@@ -60,8 +65,12 @@ class LayerMethod:
     fit: FitConfig = field(default_factory=FitConfig)
     block: int = 256
     fit_witnesses: bool = True
+    verbatim_fraction: float | None = None
 
     def __post_init__(self) -> None:
+        if self.verbatim_fraction is not None and not (isinstance(self.verbatim_fraction, (int, float))
+                                                       and 0.0 < self.verbatim_fraction <= 1.0):
+            raise ValueError(f"verbatim_fraction must be in (0, 1] or None, got {self.verbatim_fraction!r}")
         if self.name not in ARCKV_SELECTORS and self.name not in AM_VARIANTS:
             raise ValueError(
                 f"unknown compaction method {self.name!r}; expected one of "
@@ -202,19 +211,89 @@ def compact_layer(
     return LayerResult(C_k, beta, C_v, valid, idx, w, timings, Q.shape[1])
 
 
+def compact_layer_from_stats(
+    K: torch.Tensor,
+    V: torch.Tensor,
+    Q: torch.Tensor,
+    stats: ReferenceStats,
+    budgets: torch.Tensor,
+    scaling: float,
+    method: LayerMethod,
+    base_rows: torch.Tensor,
+    merge_rows: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+) -> LayerResult:
+    """Compact one layer from the statistics of its reference pass (:mod:`.stats`), ARC-KV only.
+
+    ``Q [H, G * N, D]`` is the whole pool of captured rows (GQA layout) that ``stats`` was gathered
+    from; ``base_rows`` are the budget rows every head fits on, ``merge_rows`` the rows of the
+    response profiles of Eq. (response_profile) (``None``: each head's fit rows). Anchors are the
+    top-t of ``scores`` (default ``stats.scores``); each head fits beta (Eq. (mass_fit)) and C_v
+    (Eq. (value_lstsq)) on ``base_rows`` plus its own anchors' witness rows
+    (:func:`~.witness.head_fit_rows`), with the full-cache targets taken from ``stats``, so no
+    stage reads all of ``Q`` against all of ``K`` again. A head keeping more than
+    ``method.verbatim_fraction`` of the positions keeps its anchors unmerged and unfitted.
+    """
+    if method.name not in ARCKV_SELECTORS:
+        raise ValueError(f"compact_layer_from_stats is for ARC-KV methods, not {method.name!r}")
+    if tuple(Q.shape[:2]) != (stats.H, stats.G * stats.N) or tuple(K.shape[:2]) != (stats.H, stats.T):
+        raise ValueError(f"Q {tuple(Q.shape)} and K {tuple(K.shape)} do not match the reference statistics "
+                         f"[H={stats.H}, rows={stats.G * stats.N}, T={stats.T}]")
+    timings: dict[str, float] = {}
+    watch = _Stopwatch(timings)
+    with watch("selection"):
+        scores = stats.scores if scores is None else scores
+        if tuple(scores.shape) != tuple(K.shape[:2]):
+            raise ValueError(f"scores must have shape {tuple(K.shape[:2])} (heads x positions), got {tuple(scores.shape)}")
+        idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
+        idx, valid = _prefix_order(idx, valid)
+    check_anchors(idx, valid, K.shape[1])
+    row_max, row_lse, row_out = stats.rows("row_max"), stats.rows("row_lse"), stats.rows("row_out")
+    H, t_max = valid.shape
+    if method.fit_witnesses:
+        with watch("fit_rows"):
+            witnesses = block_witnesses(Q, K, idx, scaling, row_lse, stats.witness_pos, stats.block, stats.G)
+    # (a head over verbatim_fraction skips its witnesses below; finding them costs little)
+    C_k, C_v = K.new_zeros(H, t_max, K.shape[2]), V.new_zeros(H, t_max, V.shape[2])
+    beta = torch.zeros(H, t_max, dtype=torch.float32, device=K.device)
+    w = torch.zeros(H, t_max, dtype=torch.float32, device=K.device)
+    n_rows = 0
+    verbatim_limit = K.shape[1] * (method.verbatim_fraction if method.verbatim_fraction is not None else 1.0)
+    for h in range(H):
+        t_h = int(valid[h].sum())
+        if t_h > verbatim_limit:  # keeps nearly everything: the anchors as they are
+            sel = idx[h, :t_h]
+            C_k[h, :t_h], C_v[h, :t_h], w[h, :t_h] = K[h, sel], V[h, sel], 1.0
+            continue
+        with watch("fit_rows"):
+            rows = head_fit_rows(witnesses[h, :t_h], base_rows) if method.fit_witnesses else base_rows.to(K.device)
+            n_rows = max(n_rows, rows.numel())
+            Qh = Q[h, rows][None]
+            targets = (row_max[h, rows][None], row_lse[h, rows][None])
+            Qm = Qh if merge_rows is None else Q[h, merge_rows.to(K.device)][None]
+        ck, b, cv, wh = _compact_head(K[h:h + 1], V[h:h + 1], Qh, idx[h:h + 1, :t_h], scaling, method, watch,
+                                      Q_merge=Qm, targets=targets, Y=row_out[h, rows][None])
+        C_k[h, :t_h], beta[h, :t_h], C_v[h, :t_h], w[h, :t_h] = ck[0], b[0].float(), cv[0], wh[0]
+    return LayerResult(C_k, beta, C_v, valid, idx, w, timings, n_rows)
+
+
 def _compact_head(
-    K: torch.Tensor, V: torch.Tensor, Q: torch.Tensor, idx: torch.Tensor, scaling: float, method: LayerMethod, watch
+    K: torch.Tensor, V: torch.Tensor, Q: torch.Tensor, idx: torch.Tensor, scaling: float, method: LayerMethod, watch,
+    Q_merge: torch.Tensor | None = None, targets=None, Y: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge (Eq. (key_merge)), beta (Eq. (mass_fit)) and C_v (Eq. (value_lstsq)) of one head whose
-    ``t`` anchors ``idx [1, t]`` are all valid; returns ``(C_k, beta, C_v, w)``."""
+    ``t`` anchors ``idx [1, t]`` are all valid; returns ``(C_k, beta, C_v, w)``. ``Q_merge``: the
+    rows of the response profiles (default ``Q``); ``targets`` / ``Y``: the full-cache row
+    statistics of ``Q``'s rows (:func:`~.fit.fit_beta`, :func:`~.fit.fit_values`)."""
     valid = torch.ones_like(idx, dtype=torch.bool)
     with watch("merge"):
         if method.lambda_m > 0:
-            C_k, _ = merge_keys(Q, K, idx, valid, scaling, lambda_m=method.lambda_m, block=method.block)
+            C_k, _ = merge_keys(Q if Q_merge is None else Q_merge, K, idx, valid, scaling, lambda_m=method.lambda_m,
+                                block=method.block)
         else:
             C_k = K.gather(1, idx[:, :, None].expand(-1, -1, K.shape[2]))
     with watch("beta_fit"):
-        beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit)
+        beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit, targets=targets)
     with watch("value_fit"):
         V_S = None  # the anchors' own values, gathered only when used
         if method.fit.values == "anchor" or method.fit.value_prior == "anchor":
@@ -222,5 +301,5 @@ def _compact_head(
         if method.fit.values == "anchor":
             C_v = V_S
         else:
-            C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=V_S)
+            C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=V_S, Y=Y)
     return C_k, beta, C_v, w

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fit import fit_values
+from .fit import FitConfig, fit_values
 
 __all__ = [
     "AM_PROGRESSIVE_SCHEDULE",
@@ -654,5 +654,6 @@ def am_compact(
         idx, valid, w = _omp_select(Q, K, budgets, scaling, _VARIANTS[variant])
     beta = torch.where(valid, torch.log(torch.where(valid, w, 1.0)), 0.0).float()
     C_k = K.gather(1, idx[:, :, None].expand(-1, -1, K.shape[2])) * valid[:, :, None]
-    C_v = fit_values(Q, K, V, C_k, beta, scaling, valid=valid, ridge=0.0)
+    # float64 products, as the public AM code computes its least squares
+    C_v = fit_values(Q, K, V, C_k, beta, scaling, valid=valid, config=FitConfig(gram_dtype="float64"), ridge=0.0)
     return C_k, beta, C_v, idx, valid

@@ -25,7 +25,7 @@ import torch
 from .merge import check_anchor_inputs, check_anchors
 from .select import _check_positive_int, _compute_dtype, _row_blocks
 
-__all__ = ["anchor_witnesses", "fit_positions_with_witnesses"]
+__all__ = ["anchor_witnesses", "block_witnesses", "fit_positions_with_witnesses", "head_fit_rows"]
 
 
 def anchor_witnesses(
@@ -87,3 +87,53 @@ def fit_positions_with_witnesses(
     if base.numel() and (int(base.min()) < 0 or int(base.max()) >= N):
         raise ValueError(f"base_positions must lie in [0, N={N})")
     return torch.unique(torch.cat([base, witness]), sorted=True)
+
+
+def head_fit_rows(witnesses: torch.Tensor, base_rows: torch.Tensor) -> torch.Tensor:
+    """Fit rows of one KV head: ``base_rows`` (the budget rows, GQA layout) followed by the rows of
+    ``witnesses`` (its anchors' witness rows, :func:`block_witnesses`) that are not among them,
+    ascending, each once. A witness is the single (query head, position) row that attends to its
+    anchor most, so a head gets at most ``len(base_rows) + t`` rows.
+    """
+    base = base_rows.long().to(witnesses.device)
+    extra = torch.unique(witnesses)
+    extra = extra[~torch.isin(extra, base)]
+    return torch.cat([base, extra])
+
+
+def block_witnesses(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    anchors: torch.Tensor,
+    scaling: float,
+    row_lse: torch.Tensor,
+    block_start: torch.Tensor,
+    block: int,
+    group_size: int,
+) -> torch.Tensor:
+    """Witness rows ``[H, t]`` of ``anchors [H, t]`` from the reference pass's block search.
+
+    ``Q [H, G * N, D]`` the pool (GQA layout), ``row_lse [H, G * N]`` each row's log-sum-exp over the
+    document, ``block_start [H, T]`` the first position of the block holding each key's largest
+    probability (:class:`~arckv_press.compaction.stats.ReferenceStats`). Among the rows of positions
+    ``block_start .. block_start + block - 1`` (all query heads) this takes the one with the largest
+    log p = scaling q . k - lse; ties go to the lowest position, then the lowest query head. One
+    small matmul per (KV head, block) that holds anchors: no copy of the candidate rows per anchor.
+    """
+    _check_positive_int(group_size, "group_size")
+    _check_positive_int(block, "block")
+    H, n, D = Q.shape
+    G, N = group_size, n // group_size
+    Qp, lse = Q.view(H, G, N, D), row_lse.view(H, G, N)
+    idx = anchors.long()
+    starts = block_start.gather(1, idx)
+    out = torch.empty(anchors.shape, dtype=torch.long, device=Q.device)
+    for h in range(H):
+        for p0 in torch.unique(starts[h]).tolist():
+            sel = (starts[h] == p0).nonzero()[:, 0]
+            p1 = min(p0 + block, N)
+            q = Qp[h, :, p0:p1].transpose(0, 1).reshape(-1, D)            # position-major: row i = (p0 + i // G, i % G)
+            logp = scaling * (q @ K[h, idx[h, sel]].to(q.dtype).T) - lse[h, :, p0:p1].T.reshape(-1, 1)
+            best = logp.argmax(0)                                           # first max: lowest position, then g
+            out[h, sel] = (best % G) * N + p0 + best // G
+    return out
