@@ -431,10 +431,10 @@ def compact_prefilled(
         n_rows = 0
     elif _fused(config):
         layer_results, n_rows = _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, config, method,
-                                               framing, indexer, budgets, plan, timings)
+                                               framing, indexer, budgets, plan, timings, H)
     else:
         layer_results, n_rows = _compact_separate(model, tokenizer, cache, context_ids, prefix_len, layers, config,
-                                                  method, framing, indexer, budgets, plan, context_queries, timings)
+                                                  method, framing, indexer, budgets, plan, context_queries, timings, H, G)
     for layer_idx in layers:
         _pack_layer(cache, layer_idx, prefix_len, T, H, layer_results[layer_idx])
 
@@ -479,10 +479,9 @@ def _fused(config: CompactionConfig) -> bool:
 
 
 def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, indexer,
-                   budgets, plan, timings):
+                   budgets, plan, timings, H):
     """Stages of the fused pipeline: one repeat-prefill gathering every statistic, allocation,
     then each layer from its statistics (:func:`compact_layer_from_stats`)."""
-    H = cache.layers[layers[0]].keys.shape[1]
     T = context_ids.shape[1] - prefix_len
     selector = ARCKV_SELECTORS[config.method]
     t0 = time.perf_counter()
@@ -538,11 +537,9 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
 
 
 def _compact_separate(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, indexer,
-                      budgets, plan, context_queries, timings):
+                      budgets, plan, context_queries, timings, H, G):
     """The separate pipeline (``pipeline="separate"``, Attention Matching, ``on_policy``, mixed
     reference sources): captured queries, then per layer :func:`compact_layer`."""
-    H = cache.layers[layers[0]].keys.shape[1]
-    G = _group_size(model)
     repeat_store = None
     if plan.repeat_capture.numel():
         t0 = time.perf_counter()
@@ -629,12 +626,6 @@ def _pack_layer(cache, layer_idx: int, prefix_len: int, T: int, H: int, res) -> 
         C_v, _ = pack_heads(res.C_v, res.valid)
     cache.layers[layer_idx] = CompactLayer(C_k.to(keys.dtype), beta, C_v.to(values.dtype), lengths, T, layer_idx,
                                            fixed_k, fixed_v)
-
-
-def _group_size(model) -> int:
-    from arckv_press.models import describe_attention_layout
-
-    return describe_attention_layout(model).group_size
 
 
 def _scaling(model, layer_idx: int) -> float:
