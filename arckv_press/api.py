@@ -122,8 +122,10 @@ class CompactionConfig:
         indexer_rows: fused pipeline, method ``arckv``: the reference rows the learned indexer
             scores, ``"all"`` captured rows (default; as HA and VI scores are pooled) or the
             ``"budget"`` rows only (the paper's n_score setting: about G T / query_budget times less
-            scoring work, but anchors picked for a planted needle by its few sharp rows can be
-            missed).
+            scoring work, but anchors picked for a planted needle by its few sharp rows are missed).
+        fit_scope: ARC-KV: the anchors whose beta and C_v are fitted, ``"merged"`` (default: only
+            anchors that absorbed other positions; the others keep their own key, value and
+            beta = 0) or ``"all"`` (the paper; :class:`~arckv_press.compaction.layer.LayerMethod`).
         fit_witnesses: with ``score_queries="all"``, the fits (and key merging) use the
             ``query_budget`` rows plus every anchor's witness query, the captured row that attends
             to it most (:mod:`arckv_press.compaction.witness`). Measured on the default model
@@ -157,6 +159,7 @@ class CompactionConfig:
     max_head_multiple: float | None = None
     verbatim_fraction: float | None = None
     indexer_rows: str = "all"
+    fit_scope: str = "merged"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -195,13 +198,14 @@ class CompactionConfig:
 
     def layer_method(self) -> LayerMethod:
         return LayerMethod(self.method, self.lambda_m, self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
-                           fit_witnesses=self.fit_witnesses, verbatim_fraction=self.verbatim_fraction)
+                           fit_witnesses=self.fit_witnesses, verbatim_fraction=self.verbatim_fraction,
+                           fit_scope=self.fit_scope)
 
 
 _RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")
 _INDEXER_ONLY_FIELDS = ("indexer_rows",)  # options only the learned indexer's method reads  # never change a result (the indexer has its own id)
 _ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation", "min_head_fraction", "fit_witnesses",
-                      "pipeline", "merge_rows", "max_head_multiple", "verbatim_fraction")
+                      "pipeline", "merge_rows", "max_head_multiple", "verbatim_fraction", "fit_scope")
 
 
 def _canonical(value):
@@ -489,7 +493,7 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
     base_pos = plan.repeat_rows
     score_pos = base_pos if config.indexer_rows == "budget" else torch.arange(T)  # rows the indexer scores
     cap = repeat_prefill_stats(model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, layers,
-                               prefix_len, selector="vi" if selector == "vi" else "ha", pooling=config.pooling,
+                               prefix_len, selector="none" if selector == "indexer" else selector, pooling=config.pooling,
                                x_positions=score_pos if selector == "indexer" else None,
                                chunk_size=config.repeat_chunk, progress=bar)
     if bar is not None:

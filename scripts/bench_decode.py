@@ -82,7 +82,7 @@ def expanded_attention(layer, q: torch.Tensor, scaling: float) -> tuple[torch.Te
     ck, beta, cv = layer.padded()
     new_k, new_v = layer._new_k, layer._new_v
     B, Hq = q.shape[:2]
-    Hkv, t, A = ck.shape[0], ck.shape[1], new_k.shape[2]
+    Hkv, A = ck.shape[0], new_k.shape[2]
     keys = torch.cat([ck[None].expand(B, -1, -1, -1).to(new_k.dtype), new_k], dim=-2).float()
     values = torch.cat([cv[None].expand(B, -1, -1, -1).to(new_v.dtype), new_v], dim=-2).float()
     mask = torch.cat([beta.float(), beta.new_zeros(Hkv, A)], dim=-1)  # [Hkv, t + A]

@@ -208,7 +208,7 @@ def test_separate_pipeline_scores_all_positions_and_allocates_globally(tiny_mode
     config = CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3)
     with torch.no_grad():
         # the separate pipeline with the options of the release before the fused one
-        before = dict(pipeline="separate", max_head_multiple=None, fit=FitConfig(gram_dtype="float64"))
+        before = dict(pipeline="separate", max_head_multiple=None, fit=FitConfig(gram_dtype="float64"), fit_scope="all")
         cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3, **before)
         plain = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3, fit_witnesses=False, **before)
     budget_pos, _ = _reference_positions(T, G, config)
@@ -234,7 +234,7 @@ def test_separate_pipeline_scores_all_positions_and_allocates_globally(tiny_mode
     for i, (layer, plain_layer) in enumerate(zip(cache.compact_layers, plain.compact_layers)):
         Q_all = group_queries_by_kv_head(store.layer(i)[1][None], H)
         probs = torch.softmax(Q_all.double() @ K[i].double().transpose(1, 2) * layout.scaling, dim=-1)
-        method = LayerMethod("arckv-ha", fit_witnesses=False, fit=FitConfig(gram_dtype="float64"))
+        method = LayerMethod("arckv-ha", fit_witnesses=False, fit=FitConfig(gram_dtype="float64"), fit_scope="all")
         Q_budget = group_queries_by_kv_head(store.layer(i)[1][None, :, budget_pos], H)
         res = compact_layer(K[i], V[i], Q_budget, budgets[i], layout.scaling, method, scores=scores[i].float())
         torch.testing.assert_close(plain_layer.ck, res.C_k[res.valid], atol=1e-5, rtol=0)
@@ -278,7 +278,8 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
     scores = torch.stack([p.pow(2).mean(dim=1).sqrt() for p in probs]).float()
     budgets = global_budgets(scores, 0.2, min_fraction=config.min_head_fraction, max_multiple=config.max_head_multiple)
     assert [layer.lengths.tolist() for layer in cache.compact_layers] == budgets.tolist()
-    n_fit = verbatim = 0
+    n_fit = verbatim = n_alone = 0
+    assert config.fit_scope == "merged"
     for i, layer in enumerate(cache.compact_layers):
         offset = 0
         for h in range(H):
@@ -300,9 +301,12 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
             n_fit = max(n_fit, len(rows))
             Qh, Qm = Qs[i][h:h + 1, rows].float(), Qs[i][h:h + 1, base].float()
             Kh, Vh = K[i][h:h + 1], V[i][h:h + 1]
-            C_k, _ = merge_keys(Qm, Kh, anchors[None], None, layout.scaling, config.lambda_m)
-            beta, _ = fit_beta(Qh, Kh, C_k, layout.scaling, config=config.fit)
-            C_v = fit_values(Qh, Kh, Vh, C_k, beta, layout.scaling, config=config.fit)
+            C_k, assign = merge_keys(Qm, Kh, anchors[None], None, layout.scaling, config.lambda_m)
+            alone = torch.bincount(assign[0], minlength=t)[None] == 1  # fit_scope="merged"
+            n_alone += int(alone.sum())
+            beta, _ = fit_beta(Qh, Kh, C_k, layout.scaling, config=config.fit, fixed=alone)
+            C_v = fit_values(Qh, Kh, Vh, C_k, beta, layout.scaling, config=config.fit, fixed=alone,
+                             fixed_values=Vh[:, anchors])
             torch.testing.assert_close(layer.ck[offset:offset + t], C_k[0], atol=1e-5, rtol=0)
             # beta of a nearly singular mass system moves with rounding of its targets; what the fits
             # reproduce, the compact attention output on the fit rows, must agree
@@ -313,6 +317,7 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
             offset += t
     assert cache.report.reference_rows == n_fit
     assert verbatim == 0  # the default merges and fits every head
+    assert n_alone > 0  # some anchors absorbed no other position and kept their own term
 
 
 @pytest.mark.parametrize("as_file", [False, True])
@@ -584,7 +589,8 @@ def test_config_id_covers_the_options_that_shape_a_result():
     for change in (dict(min_head_fraction=0.25), dict(lambda_m=0.0), dict(fit_witnesses=False), dict(seed=1),
                    dict(query_budget=512), dict(allocation="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
                    dict(budget_weights=torch.ones(3, 2)), dict(pipeline="separate"), dict(merge_rows=None),
-                   dict(max_head_multiple=4.0), dict(verbatim_fraction=0.5), dict(fit=FitConfig(gram_dtype="float64"))):
+                   dict(max_head_multiple=4.0), dict(verbatim_fraction=0.5), dict(fit=FitConfig(gram_dtype="float64")),
+                   dict(fit_scope="all")):
         assert cid(method="arckv-ha", **change) != base, change
     assert cid(method="arckv-vi") != base
     # indexer_rows shapes only the learned indexer's results
@@ -595,7 +601,7 @@ def test_config_id_covers_the_options_that_shape_a_result():
     am = cid(method="am-omp")
     assert am == cid(method="am-omp", min_head_fraction=0.25, lambda_m=0.0, fit_witnesses=False, allocation="fixed",
                      pipeline="separate", merge_rows=7, max_head_multiple=4.0, verbatim_fraction=0.5,
-                     fit=FitConfig(gram_dtype="float64"))
+                     fit=FitConfig(gram_dtype="float64"), fit_scope="all")
     # the id of the AM defaults is the one stored with the AM results before the fused pipeline existed
     assert am == "eec358ad3241" and cid(method="am-omp-fast") == "47c5d1e0b5cc"
     assert am != cid(method="am-omp", query_budget=512) and am != cid(method="am-omp-fast")

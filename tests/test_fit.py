@@ -310,7 +310,7 @@ def test_compact_layer_fits_each_head_at_its_own_anchor_count():
 
     Q, K, V, _ = _problem(H=3, n=80, T=40)
     budgets = torch.tensor([2, 17, 6])
-    res = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha"))
+    res = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", fit_scope="all"))
     idx, valid = _prefix_order(*chunked_topk_anchors(ha_scores(Q, K, 0.3, pooling="rms"), budgets, 4096, 10_000))
     C_k, _ = merge_keys(Q, K, idx, valid, 0.3, lambda_m=0.25)
     beta, w = fit_beta(Q, K, C_k, 0.3, valid)
@@ -329,3 +329,114 @@ def test_anchor_values_bad_inputs():
         FitConfig(values="copy")
     with pytest.raises(ValueError, match="ARC-KV methods only"):
         LayerMethod("am-omp", fit=FitConfig(values="anchor"))
+
+
+# ----------------------------------------------------------------------------- fixed slots (fit_scope="merged")
+
+
+def _fixed_problem():
+    Q, K, V, C = _problem(H=2, n=60, T=25, t=8, seed=70)
+    valid = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    fixed = torch.tensor([[1, 0, 0, 1, 0, 0, 1, 0], [0, 1, 1, 0, 1, 1, 0, 0]], dtype=torch.bool)  # padded 6 ignored
+    return Q, K, V, C, valid, fixed
+
+
+def test_fit_beta_fixed_slots_match_lstsq_on_the_remaining_mass():
+    """Fixed slots keep w = 1; the free ones solve min ||Phi_F w - (Phi_K 1 - Phi_U 1)|| (numpy lstsq)."""
+    Q, K, V, C, valid, fixed = _fixed_problem()
+    beta, w = fit_beta(Q, K, C, 0.4, valid=valid, config=FitConfig(block_rows=11, mass_ridge=0.0), fixed=fixed)
+    for h in range(2):
+        vf, fx = valid[h].numpy(), (fixed[h] & valid[h]).numpy()
+        free = vf & ~fx
+        y, Phi = _np_phi(Q[h].numpy(), K[h].numpy(), C[h].numpy(), 0.4)
+        w_ref = np.zeros(8)
+        w_ref[fx] = 1.0
+        w_ref[free] = np.maximum(np.linalg.lstsq(Phi[:, free], y - Phi[:, fx].sum(-1), rcond=None)[0], 0)
+        np.testing.assert_allclose(w[h].numpy(), w_ref, rtol=1e-6, atol=1e-6)
+        assert (beta[h].numpy()[fx] == 0).all() and (beta[h].numpy()[~vf] == 0).all()
+
+
+def test_fit_values_fixed_slots_match_lstsq_on_the_remaining_output():
+    """Fixed slots keep their given values; the free ones solve the ridge problem on Y - P_U V_U."""
+    Q, K, V, C, valid, fixed = _fixed_problem()
+    beta, _ = fit_beta(Q, K, C, 0.4, valid=valid, fixed=fixed)
+    given = _rand(2, 8, 8, seed=71)
+    lam = 1e-3
+    Cv = fit_values(Q, K, V, C, beta, 0.4, valid=valid, config=FitConfig(ridge_v=lam, block_rows=13),
+                    fixed=fixed, fixed_values=given)
+    for h in range(2):
+        vf, fx = valid[h].numpy(), (fixed[h] & valid[h]).numpy()
+        free = vf & ~fx
+        P = _np_softmax(np.where(vf[None], 0.4 * Q[h].numpy() @ C[h].numpy().T + beta[h].numpy()[None], -np.inf))
+        Y = _np_softmax(0.4 * Q[h].numpy() @ K[h].numpy().T) @ V[h].numpy() - P[:, fx] @ given[h].numpy()[fx]
+        G = P[:, free].T @ P[:, free]
+        ref = np.linalg.solve(G + lam * np.mean(np.diag(G)) * np.eye(free.sum()), P[:, free].T @ Y)
+        np.testing.assert_allclose(Cv[h].numpy()[free], ref, rtol=1e-8, atol=1e-10)
+        np.testing.assert_array_equal(Cv[h].numpy()[fx], given[h].numpy()[fx])
+        assert (Cv[h].numpy()[~vf] == 0).all()
+
+
+def test_fixed_slots_none_fixed_equals_the_plain_fit_and_all_fixed_keeps_everything():
+    Q, K, V, C, valid, _ = _fixed_problem()
+    none = torch.zeros_like(valid)
+    b0, w0 = fit_beta(Q, K, C, 0.4, valid=valid)
+    b1, w1 = fit_beta(Q, K, C, 0.4, valid=valid, fixed=none)
+    torch.testing.assert_close(b1, b0, rtol=1e-10, atol=1e-12)
+    c0 = fit_values(Q, K, V, C, b0, 0.4, valid=valid)
+    c1 = fit_values(Q, K, V, C, b0, 0.4, valid=valid, fixed=none, fixed_values=V[:, :8])
+    torch.testing.assert_close(c1, c0, rtol=1e-10, atol=1e-12)
+    everything = valid.clone()
+    b2, w2 = fit_beta(Q, K, C, 0.4, valid=valid, fixed=everything)
+    assert (w2 == valid.float()).all() and (b2 == 0).all()
+    c2 = fit_values(Q, K, V, C, b2, 0.4, valid=valid, fixed=everything, fixed_values=V[:, :8])
+    torch.testing.assert_close(c2, V[:, :8] * valid[..., None], rtol=0, atol=0)
+
+
+def test_fixed_slots_bad_inputs():
+    Q, K, V, C, valid, fixed = _fixed_problem()
+    beta, _ = fit_beta(Q, K, C, 0.4, valid=valid)
+    with pytest.raises(TypeError, match="fixed must be a bool"):
+        fit_beta(Q, K, C, 0.4, valid=valid, fixed=fixed.float())
+    with pytest.raises(ValueError, match="shape"):
+        fit_beta(Q, K, C, 0.4, valid=valid, fixed=fixed[:, :5])
+    with pytest.raises(ValueError, match="together"):
+        fit_values(Q, K, V, C, beta, 0.4, valid=valid, fixed=fixed)
+    with pytest.raises(ValueError, match="fixed_values must have shape"):
+        fit_values(Q, K, V, C, beta, 0.4, valid=valid, fixed=fixed, fixed_values=V[:, :3])
+
+
+@pytest.mark.parametrize("lam", [0.25, 0.0])
+def test_fit_scope_merged_keeps_lone_anchors_and_fits_the_rest(lam):
+    """``fit_scope="merged"``: an anchor whose group (Eq. (anchor_assignment)) holds no other position
+    keeps its key, value and beta = 0; the others are fitted to what those leave (numpy lstsq on
+    the remaining mass and output). Checked head by head against the naive merge of test_merge."""
+    from test_merge import _naive_merge
+
+    from arckv_press.compaction.layer import LayerMethod, compact_layer
+
+    Q, K, V, _ = _problem(H=3, n=70, T=30, seed=80)
+    budgets = torch.tensor([4, 22, 9])  # head 1 keeps most positions: most of its anchors are alone
+    fit = FitConfig(mass_ridge=0.0, ridge_v=1e-3)
+    res = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", lambda_m=lam, fit=fit, fit_scope="merged"))
+    full = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", lambda_m=lam, fit=fit, fit_scope="all"))
+    C_ref, assign = _naive_merge(Q.numpy(), K.numpy(), res.anchors.numpy(), res.valid.numpy(), 0.3, lam)
+    n_alone = 0
+    for h in range(3):
+        t = int(budgets[h])
+        anchors = res.anchors[h, :t].numpy()
+        alone = np.bincount(assign[h], minlength=t)[:t] == 1
+        n_alone += int(alone.sum())
+        np.testing.assert_allclose(res.C_k[h, :t].numpy(), C_ref[h, :t], rtol=1e-10, atol=1e-12)
+        np.testing.assert_array_equal(res.C_k[h, :t].numpy()[alone], K[h, anchors[alone]].numpy())
+        np.testing.assert_array_equal(res.C_v[h, :t].numpy()[alone], V[h, anchors[alone]].numpy())
+        assert (res.beta[h, :t].numpy()[alone] == 0).all()
+        y, Phi = _np_phi(Q[h].numpy(), K[h].numpy(), C_ref[h, :t], 0.3)
+        w_ref = np.maximum(np.linalg.lstsq(Phi[:, ~alone], y - Phi[:, alone].sum(-1), rcond=None)[0], 0)
+        np.testing.assert_allclose(res.w[h, :t].numpy()[~alone], w_ref, rtol=1e-5, atol=1e-7)
+        P = _np_softmax(0.3 * Q[h].numpy() @ C_ref[h, :t].T + res.beta[h, :t].numpy()[None])
+        Y = _np_softmax(0.3 * Q[h].numpy() @ K[h].numpy().T) @ V[h].numpy() - P[:, alone] @ V[h, anchors[alone]].numpy()
+        G = P[:, ~alone].T @ P[:, ~alone]
+        cv = np.linalg.solve(G + 1e-3 * np.mean(np.diag(G)) * np.eye(G.shape[0]), P[:, ~alone].T @ Y)
+        np.testing.assert_allclose(res.C_v[h, :t].numpy()[~alone], cv, rtol=1e-6, atol=1e-8)
+    assert 0 < n_alone < int(budgets.sum())
+    assert not torch.allclose(res.C_v, full.C_v)  # the scope changes the fit

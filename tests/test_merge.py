@@ -179,3 +179,18 @@ def test_bad_inputs():
         merge_keys(Q, K, anchors, valid, 0.4, block=0)
     with pytest.raises(ValueError, match="heads"):
         merge_keys(Q[:2], K[:2], anchors, valid, 0.4)
+
+
+def test_heads_keeping_every_position_merge_nothing():
+    """Only non-anchor positions are compared with the anchors; a head whose anchors are every
+    position (and a layer where every head is so) keeps its keys, each its own group."""
+    Q, K = _rand(2, 12, 4, seed=20), _rand(2, 6, 4, seed=21)
+    anchors = torch.tensor([[5, 4, 3, 2, 1, 0], [1, 4, 0, 0, 0, 0]])
+    valid = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    C, assign = merge_keys(Q, K, anchors, valid, 0.5, lambda_m=0.5, block=2)
+    C_ref, a_ref = _naive_merge(Q.numpy(), K.numpy(), anchors.numpy(), valid.numpy(), 0.5, 0.5)
+    np.testing.assert_array_equal(assign.numpy(), a_ref)
+    np.testing.assert_allclose(C.numpy(), C_ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(assign[0].numpy(), [5, 4, 3, 2, 1, 0])
+    C1, a1 = merge_keys(Q[:1], K[:1], anchors[:1], valid[:1], 0.5, lambda_m=0.5)
+    assert torch.equal(C1[0], K[0, anchors[0]]) and torch.equal(a1, assign[:1])

@@ -354,3 +354,16 @@ def test_global_budgets_errors():
         global_budgets(torch.rand(1, 1, 5), 0.5, min_fraction=-0.1)
     with pytest.raises(ValueError, match="3"):
         global_budgets(torch.rand(2, 5), 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_all_finite_matches_isfinite(dtype):
+    from arckv_press.compaction.select import all_finite
+
+    x = torch.randn(3, 40, 8).to(dtype)
+    assert all_finite(x) and all_finite(x[:, :0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in ((0, 0, 0), (2, 39, 7), (1, 17, 3)):
+            y = x.clone()
+            y[where] = bad
+            assert not all_finite(y) and not bool(torch.isfinite(y).all())

@@ -90,6 +90,17 @@ def test_stats_row_targets_equal_full_cache():
     torch.testing.assert_close(st.rows("row_out"), full_attention(Q, K, V, 0.3), atol=1e-5, rtol=0)
 
 
+def test_stats_without_scores_keep_the_witnesses_and_targets():
+    """``selector="none"`` (the learned indexer scores elsewhere): the same witness blocks and row
+    targets as with HA, and asking for scores is an error."""
+    q, k, v, doc = _layout(seed=4)
+    ha, none = _stats(q, k, v, doc, "ha"), _stats(q, k, v, doc, "none")
+    for name in ("witness_p", "witness_pos", "row_max", "row_lse", "row_out"):
+        assert torch.equal(getattr(none, name), getattr(ha, name)), name
+    with pytest.raises(ValueError, match="no anchor scores"):
+        none.scores
+
+
 def test_block_witnesses_equal_brute_force_argmax():
     q, k, v, doc = _layout(seed=3)
     Q = q.reshape(2, -1, 16)

@@ -286,22 +286,69 @@ def _gram_dtype(config: FitConfig, compute_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if compute_dtype == torch.float64 else getattr(torch, config.gram_dtype)
 
 
+@dataclass
+class _FreeSlots:
+    """The slots a fit solves for when some valid slots are ``fixed`` (kept as they are): ``idx [H, t_f]``
+    the free slots of each head in slot order, padded, ``valid [H, t_f]`` which of them are real."""
+
+    idx: torch.Tensor
+    valid: torch.Tensor
+    fixed: torch.Tensor  # [H, t] bool
+    all_valid: bool = False  # no padding: nothing to zero
+
+    @classmethod
+    def of(cls, valid: torch.Tensor, fixed: torch.Tensor) -> "_FreeSlots":
+        if not isinstance(fixed, torch.Tensor) or fixed.dtype != torch.bool:
+            raise TypeError(f"fixed must be a bool tensor, got {getattr(fixed, 'dtype', type(fixed).__name__)}")
+        if tuple(fixed.shape) != tuple(valid.shape) or fixed.device != valid.device:
+            raise ValueError(f"fixed must have shape {tuple(valid.shape)} on {valid.device}, got "
+                             f"{tuple(fixed.shape)} on {fixed.device}")
+        fixed = fixed & valid
+        free = valid & ~fixed
+        t_f = max(int(free.sum(-1).max()), 1)
+        idx = torch.sort((~free).to(torch.int8), dim=1, stable=True).indices[:, :t_f]
+        free_valid = free.gather(1, idx)
+        return cls(idx, free_valid, fixed, bool(free_valid.all()))
+
+    def columns(self, X: torch.Tensor) -> torch.Tensor:
+        """The free columns of ``X [H, b, t]``, ``[H, b, t_f]`` (padding zeroed)."""
+        cols = X.gather(2, self.idx[:, None, :].expand(-1, X.shape[1], -1))
+        return cols if self.all_valid else cols.masked_fill_(~self.valid[:, None, :], 0.0)
+
+    def rows(self, X: torch.Tensor) -> torch.Tensor:
+        """The free rows of ``X [H, t, D]``, ``[H, t_f, D]``."""
+        return X.gather(1, self.idx[..., None].expand(-1, -1, X.shape[2]))
+
+    def scatter(self, x_free: torch.Tensor, x_fixed: torch.Tensor) -> torch.Tensor:
+        """``[H, t, ...]``: ``x_fixed`` on fixed slots, the free solution ``x_free [H, t_f, ...]`` elsewhere."""
+        idx = self.idx.view(*self.idx.shape, *([1] * (x_free.ndim - 2))).expand_as(x_free)
+        vm = self.valid.view(*self.valid.shape, *([1] * (x_free.ndim - 2)))
+        fm = self.fixed.view(*self.fixed.shape, *([1] * (x_fixed.ndim - 2)))
+        out = torch.zeros_like(x_fixed).scatter_(1, idx, x_free * vm)
+        return torch.where(fm, x_fixed, out)
+
+
 def _mass_normal_equations(
     Q: torch.Tensor, K: torch.Tensor, C_k: torch.Tensor, scaling: float, valid: torch.Tensor, block_rows: int,
     targets: tuple[torch.Tensor, torch.Tensor] | None = None, gram_dtype: torch.dtype = torch.float64,
+    free: _FreeSlots | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate A = Phi_C^T Phi_C and b = Phi_C^T Phi_K 1 per head (float64).
 
     Phi rows are shifted by z_i = max_j scaling * q_i . k_j over the FULL K (paper
     Eq. (mass_fit)). ``targets = (z, lse)`` ``[H, n]`` (the row maxima and log-sum-exps of the
     full-cache logits, :mod:`.stats`) replace the pass over K: Phi_K 1 = exp(lse - z).
+    ``free``: only the free columns enter A and b, and the fixed slots' mass (weight 1) is taken
+    off the target: b = Phi_F^T (Phi_K 1 - Phi_U 1).
     """
     cd = _compute_dtype(Q, K, C_k)
     Kt, Ct = K.to(cd).transpose(1, 2), C_k.to(cd).transpose(1, 2)
-    H, t = valid.shape
+    H = valid.shape[0]
+    t = valid.shape[1] if free is None else free.idx.shape[1]
     A = torch.zeros(H, t, t, dtype=gram_dtype, device=K.device)     # summed in place in gram_dtype
     b = torch.zeros(H, t, dtype=torch.float64, device=K.device)
-    vm = valid[:, None, :]
+    vm, all_valid = valid[:, None, :], bool(valid.all())
+    fixed = None if free is None else free.fixed.to(torch.float64)[..., None]
     for lo, hi in _row_blocks(Q.shape[1], block_rows):
         Qb = Q[:, lo:hi].to(cd) * scaling
         if targets is None:
@@ -311,7 +358,13 @@ def _mass_normal_equations(
         else:
             z = targets[0][:, lo:hi, None].to(cd)
             zf = torch.exp(targets[1][:, lo:hi].double() - targets[0][:, lo:hi].double())
-        phi_c = torch.exp(Qb @ Ct - z).masked_fill(~vm, 0.0).to(gram_dtype)  # Phi_C, [H, b, t]
+        phi_c = torch.exp(Qb @ Ct - z)                                          # Phi_C, [H, b, t]
+        if not all_valid:
+            phi_c.masked_fill_(~vm, 0.0)
+        if free is not None:
+            zf = zf - (phi_c.double() @ fixed)[..., 0]                          # mass the fixed slots leave
+            phi_c = free.columns(phi_c)
+        phi_c = phi_c.to(gram_dtype)
         A.baddbmm_(phi_c.transpose(1, 2), phi_c)                               # in place: A is [H, t, t]
         b.add_((phi_c.double().transpose(1, 2) @ zf[..., None])[..., 0])
     return A.double(), b
@@ -334,6 +387,7 @@ def fit_beta(
     valid: torch.Tensor | None = None,
     config: FitConfig = FitConfig(),
     targets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fixed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention-mass bias (paper Eq. (mass_fit)).
 
@@ -345,6 +399,9 @@ def fit_beta(
 
     ``targets = (z, lse)`` ``[H, n]``: the full-cache row maxima and log-sum-exps, when the
     reference pass already computed them (:mod:`.stats`); ``K`` is then not read again.
+
+    ``fixed`` ``[H, t]`` bool: valid slots that keep w = 1 (beta = 0); only the others are fitted,
+    to the mass the fixed ones leave, w~_F = argmin ||Phi_F w_F - (Phi_K 1 - Phi_U 1)||.
 
     Returns ``beta`` ``[H, t]`` (dtype of K) and ``w*`` ``[H, t]`` float32. Invalid slots
     get beta = 0 and w = 0; callers must pass ``valid`` downstream.
@@ -359,17 +416,21 @@ def fit_beta(
         raise TypeError(f"config must be a FitConfig, got {type(config).__name__}")
     if targets is not None:
         _check_row_targets(targets, Q.shape[:2])
+    free = None if fixed is None else _FreeSlots.of(valid, fixed)
     A, b = _mass_normal_equations(Q, K, C_k, scaling, valid, config.block_rows, targets,
-                                  _gram_dtype(config, _compute_dtype(Q, K, C_k)))
-    ridge = config.mass_ridge * _mean_diag(A, valid)
+                                  _gram_dtype(config, _compute_dtype(Q, K, C_k)), free)
+    solve_valid = valid if free is None else free.valid
+    ridge = config.mass_ridge * _mean_diag(A, solve_valid)
     if config.mass_solver == "ls_clamp":
-        w, jitter = _masked_spd_solve(A, b, valid, ridge)
+        w, jitter = _masked_spd_solve(A, b, solve_valid, ridge)
         if bool((jitter > 0).any()):
             logger.warning("fit_beta: jitter added to the mass normal equations of %d head(s)", int((jitter > 0).sum()))
         w = w.clamp_min(0.0)
     else:
-        max_iter = config.nnls_max_iter if config.nnls_max_iter is not None else 3 * t + 10
-        w = _nnls_normal(A, b, valid, ridge, max_iter).clamp_min(0.0)
+        max_iter = config.nnls_max_iter if config.nnls_max_iter is not None else 3 * A.shape[-1] + 10
+        w = _nnls_normal(A, b, solve_valid, ridge, max_iter).clamp_min(0.0)
+    if free is not None:
+        w = free.scatter(w, torch.ones(H, t, dtype=w.dtype, device=w.device))
     w = w * valid
     beta = torch.log(w.clamp_min(config.eps_w)).clamp(config.b_min, config.b_max)
     beta = beta.masked_fill(~valid, 0.0)
@@ -381,12 +442,18 @@ def fit_beta(
 # --------------------------------------------------------------------------------------
 
 
+def _hidden_slots(valid: torch.Tensor) -> torch.Tensor | None:
+    """``~valid [H, 1, t]`` for masking logits, or None when every slot is valid (no masking pass)."""
+    return None if bool(valid.all()) else ~valid[:, None, :]
+
+
 def _compact_probs(
-    Qb: torch.Tensor, Ct: torch.Tensor, beta: torch.Tensor, valid: torch.Tensor
+    Qb: torch.Tensor, Ct: torch.Tensor, beta: torch.Tensor, hidden: torch.Tensor | None
 ) -> torch.Tensor:
-    """softmax(Qb C_k^T + beta) over valid slots; ``Qb`` already scaled."""
-    logits = Qb @ Ct + beta[:, None, :]
-    logits = logits.masked_fill(~valid[:, None, :], -torch.inf)
+    """softmax(Qb C_k^T + beta) over the slots not ``hidden`` (:func:`_hidden_slots`); ``Qb`` already scaled."""
+    logits = torch.baddbmm(beta[:, None, :], Qb, Ct)
+    if hidden is not None:
+        logits.masked_fill_(hidden, -torch.inf)
     return torch.softmax(logits, dim=-1)
 
 
@@ -448,8 +515,9 @@ def compact_attention(
     _check_positive_int(block_rows, "block_rows")
     cd = _compute_dtype(Q, C_k, beta, C_v)
     Ct, bc, Cv = C_k.to(cd).transpose(1, 2), beta.to(cd), C_v.to(cd)
+    hidden = _hidden_slots(valid)
     out = [
-        _compact_probs(Q[:, lo:hi].to(cd) * scaling, Ct, bc, valid) @ Cv
+        _compact_probs(Q[:, lo:hi].to(cd) * scaling, Ct, bc, hidden) @ Cv
         for lo, hi in _row_blocks(Q.shape[1], block_rows)
     ]
     return torch.cat(out, dim=1).to(C_v.dtype)
@@ -472,6 +540,8 @@ def fit_values(
     ridge: float | None = None,
     prior: torch.Tensor | None = None,
     Y: torch.Tensor | None = None,
+    fixed: torch.Tensor | None = None,
+    fixed_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compact values C_v ``[H, t, Dv]`` (dtype of K), paper Eq. (value_lstsq).
 
@@ -486,6 +556,10 @@ def fit_values(
     ``prior`` ``[H, t, Dv]`` (required iff ``config.value_prior == "anchor"``): the ridge then
     shrinks toward it, (P^T P + lambda I) C = P^T Y + lambda prior. ``Y`` ``[H, n, Dv]``: the
     full-cache outputs when the reference pass already computed them (:mod:`.stats`).
+
+    ``fixed`` ``[H, t]`` bool with ``fixed_values`` ``[H, t, Dv]``: valid slots whose values are
+    given; only the others are fitted, to what the fixed ones leave:
+    C_F = argmin ||P_F C - (Y - P_U fixed_values_U)||_F^2 + lambda ||C||_F^2 (P over every slot).
     """
     _check_qk(Q, K)
     _check_values(V, K)
@@ -512,28 +586,47 @@ def fit_values(
         _check_float(Y, "Y", 3)
         if tuple(Y.shape) != (*Q.shape[:2], V.shape[-1]):
             raise ValueError(f"Y must have shape {(*Q.shape[:2], V.shape[-1])} (rows of Q x value width), got {tuple(Y.shape)}")
+    if (fixed is None) != (fixed_values is None):
+        raise ValueError("pass fixed and fixed_values together")
+    free = None
+    if fixed is not None:
+        _check_float(fixed_values, "fixed_values", 3)
+        if tuple(fixed_values.shape) != (H, t, V.shape[-1]):
+            raise ValueError(f"fixed_values must have shape {(H, t, V.shape[-1])}, got {tuple(fixed_values.shape)}")
+        free = _FreeSlots.of(valid, fixed)
     cd = _compute_dtype(Q, K, V, C_k, beta)
     Kt, Vc = K.to(cd).transpose(1, 2), V.to(cd)
     Ct, bc = C_k.to(cd).transpose(1, 2), beta.to(cd)
+    hidden = _hidden_slots(valid)
     gd = _gram_dtype(config, cd)
-    G = torch.zeros(H, t, t, dtype=gd, device=K.device)               # summed in place in gd (no temporaries)
-    R = torch.zeros(H, t, V.shape[-1], dtype=gd, device=K.device)
+    t_s = t if free is None else free.idx.shape[1]                        # slots solved for
+    G = torch.zeros(H, t_s, t_s, dtype=gd, device=K.device)           # summed in place in gd (no temporaries)
+    R = torch.zeros(H, t_s, V.shape[-1], dtype=gd, device=K.device)
+    if free is not None:
+        C_fixed = fixed_values.to(cd).masked_fill(~free.fixed[..., None], 0.0)
     for lo, hi in _row_blocks(Q.shape[1], config.block_rows):
         Qb = Q[:, lo:hi].to(cd) * scaling
-        Yb = (torch.softmax(Qb @ Kt, dim=-1) @ Vc if Y is None else Y[:, lo:hi]).to(gd)
-        P = _compact_probs(Qb, Ct, bc, valid).to(gd)
+        Yb = torch.softmax(Qb @ Kt, dim=-1) @ Vc if Y is None else Y[:, lo:hi]
+        P = _compact_probs(Qb, Ct, bc, hidden)
+        if free is not None:
+            Yb = Yb.to(cd) - P @ C_fixed                                 # what the fixed slots leave
+            P = free.columns(P)
+        P, Yb = P.to(gd), Yb.to(gd)
         G.baddbmm_(P.transpose(1, 2), P)                                 # in place: G is [H, t, t]
         R.baddbmm_(P.transpose(1, 2), Yb)
     G, R = G.double(), R.double()
-    scale = _mean_diag(G, valid) if config.ridge_relative else torch.ones(H, dtype=torch.float64, device=K.device)
+    solve_valid = valid if free is None else free.valid
+    scale = _mean_diag(G, solve_valid) if config.ridge_relative else torch.ones(H, dtype=torch.float64, device=K.device)
     if prior is not None:
-        R = R + (lam * scale)[:, None, None] * prior.double()
-    C_v, jitter = _masked_spd_solve(G, R, valid, lam * scale)
+        R = R + (lam * scale)[:, None, None] * (prior if free is None else free.rows(prior)).double()
+    C_v, jitter = _masked_spd_solve(G, R, solve_valid, lam * scale)
     if bool((jitter > 0).any()):
         logger.warning(
             "fit_values: P_hat^T P_hat + ridge was singular for %d head(s); added jitter (max %.3g)",
             int((jitter > 0).sum()), float(jitter.max()),
         )
+    if free is not None:
+        C_v = free.scatter(C_v, fixed_values.double())
     return C_v.to(K.dtype)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from arckv_press.compaction.fit import FitConfig, fit_beta, fit_values
-from arckv_press.compaction.merge import check_anchors, merge_keys
+from arckv_press.compaction.merge import assign_to_anchors, check_anchors, merge_keys
 from arckv_press.compaction.omp import am_compact
 from arckv_press.compaction.reference import grouped_rows
 from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, vi_scores
@@ -29,9 +29,10 @@ from arckv_press.compaction.stats import ReferenceStats
 from arckv_press.compaction.witness import block_witnesses, fit_positions_with_witnesses, head_fit_rows
 
 __all__ = ["LayerMethod", "LayerResult", "compact_layer", "compact_layer_from_stats", "anchor_scores",
-           "ARCKV_SELECTORS", "AM_VARIANTS"]
+           "ARCKV_SELECTORS", "AM_VARIANTS", "FIT_SCOPES"]
 
 ARCKV_SELECTORS = {"arckv": "indexer", "arckv-ha": "ha", "arckv-vi": "vi"}
+FIT_SCOPES = ("all", "merged")
 AM_VARIANTS = {"am-omp": "omp", "am-omp-fast": "omp-fast", "am-ha": "ha"}
 
 
@@ -50,6 +51,13 @@ class LayerMethod:
         verbatim_fraction: :func:`compact_layer_from_stats` only: a head keeping more than this
             fraction of its positions keeps its anchors' keys and values, beta = 0, unmerged and
             unfitted (``None``: none does).
+        fit_scope: which anchors beta (Eq. (mass_fit)) and C_v (Eq. (value_lstsq)) are fitted for:
+            ``"merged"`` (default): only anchors whose group (Eq. (anchor_assignment)) holds other
+            positions; an anchor that absorbed none keeps its key, its value and beta = 0, exactly
+            its own term of the full attention, and the fits solve for what the others must add
+            (:func:`~.fit.fit_beta` / :func:`~.fit.fit_values` ``fixed``). The fits then grow with
+            the square of the merged anchors, at most the positions a head drops, instead of all
+            its anchors. ``"all"``: every anchor (the paper).
         fit_witnesses: when merging and the fits use a subset of the scoring pool, add every
             anchor's witness query (the pooled row that attends to it most, :mod:`.witness`)
             to that subset. Measured on the default model (README, "Why ARC-KV lost needles"):
@@ -66,8 +74,11 @@ class LayerMethod:
     block: int = 256
     fit_witnesses: bool = True
     verbatim_fraction: float | None = None
+    fit_scope: str = "merged"
 
     def __post_init__(self) -> None:
+        if self.fit_scope not in FIT_SCOPES:
+            raise ValueError(f"fit_scope must be one of {FIT_SCOPES}, got {self.fit_scope!r}")
         if self.verbatim_fraction is not None and not (isinstance(self.verbatim_fraction, (int, float))
                                                        and 0.0 < self.verbatim_fraction <= 1.0):
             raise ValueError(f"verbatim_fraction must be in (0, 1] or None, got {self.verbatim_fraction!r}")
@@ -286,20 +297,28 @@ def _compact_head(
     rows of the response profiles (default ``Q``); ``targets`` / ``Y``: the full-cache row
     statistics of ``Q``'s rows (:func:`~.fit.fit_beta`, :func:`~.fit.fit_values`)."""
     valid = torch.ones_like(idx, dtype=torch.bool)
+    Qm = Q if Q_merge is None else Q_merge
+    assignment = None
     with watch("merge"):
         if method.lambda_m > 0:
-            C_k, _ = merge_keys(Q if Q_merge is None else Q_merge, K, idx, valid, scaling, lambda_m=method.lambda_m,
-                                block=method.block)
+            C_k, assignment = merge_keys(Qm, K, idx, valid, scaling, lambda_m=method.lambda_m, block=method.block)
         else:
             C_k = K.gather(1, idx[:, :, None].expand(-1, -1, K.shape[2]))
+            if method.fit_scope == "merged":
+                assignment = assign_to_anchors(Qm, K, idx, valid, scaling, method.block)
+    fixed = None
+    if method.fit_scope == "merged":  # anchors that absorbed no other position keep their own term
+        fixed = torch.stack([torch.bincount(a, minlength=idx.shape[1]) for a in assignment]) == 1
     with watch("beta_fit"):
-        beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit, targets=targets)
+        beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit, targets=targets, fixed=fixed)
     with watch("value_fit"):
         V_S = None  # the anchors' own values, gathered only when used
-        if method.fit.values == "anchor" or method.fit.value_prior == "anchor":
+        if method.fit.values == "anchor" or method.fit.value_prior == "anchor" or fixed is not None:
             V_S = V.gather(1, idx[:, :, None].expand(-1, -1, V.shape[2]))
         if method.fit.values == "anchor":
             C_v = V_S
         else:
-            C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=V_S, Y=Y)
+            prior = V_S if method.fit.value_prior == "anchor" else None
+            C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=prior, Y=Y,
+                             fixed=fixed, fixed_values=None if fixed is None else V_S)
     return C_k, beta, C_v, w

@@ -104,24 +104,31 @@ def _assign_and_log_phi(
     Kc = K.to(cd)
     safe = torch.where(valid, anchors.long(), torch.zeros_like(anchors, dtype=torch.long))
     K_S = torch.gather(Kc, 1, safe[..., None].expand(H, t, D))
-    U_S, _ = _response_profiles(Qs, K_S)            # [H, n, t]
+    U_S, log_phi_S = _response_profiles(Qs, K_S)   # [H, n, t], [H, t]
     tie_tol = _TIE_ULPS * torch.finfo(cd).eps
-    assignment = torch.empty(H, T, dtype=torch.long, device=K.device)
-    log_phi = torch.empty(H, T, dtype=cd, device=K.device)
-    for start in range(0, T, block):
-        stop = min(start + block, T)
-        U_b, log_phi[:, start:stop] = _response_profiles(Qs, Kc[:, start:stop])
-        sim = U_b.transpose(1, 2) @ U_S             # [H, b, t] cosine similarities in [0, 1]
-        sim = sim.masked_fill(~valid[:, None, :], -1.0)
-        best = sim.amax(dim=-1, keepdim=True)
-        is_max = sim >= best - tie_tol               # robust ties -> lowest slot r
-        assignment[:, start:stop] = is_max.to(torch.int8).argmax(dim=-1)
-    # anchors are assigned to their own slot (paper Eq. (anchor_assignment), kappa(s_r) = r)
+    # only the other positions are compared with the anchors: an anchor is its own group
     slots = torch.arange(t, device=K.device).expand(H, t)
     target = torch.where(valid, safe, torch.full_like(safe, T))  # padded slots -> dummy column
-    full = torch.cat([assignment, assignment.new_zeros(H, 1)], dim=1)
-    full.scatter_(1, target, slots)
-    return full[:, :T].contiguous(), log_phi
+    is_anchor = torch.zeros(H, T + 1, dtype=torch.int8, device=K.device).scatter_(1, target, 1)[:, :T]
+    n_other = int((T - is_anchor.sum(-1)).max())
+    others = torch.sort(is_anchor, dim=1, stable=True).indices[:, :n_other]  # padded with anchors
+    assignment = torch.zeros(H, T + 1, dtype=torch.long, device=K.device)
+    log_phi = torch.empty(H, T + 1, dtype=cd, device=K.device)
+    hidden = None if bool(valid.all()) else ~valid[:, None, :]
+    for start in range(0, n_other, block):
+        pos = others[:, start:start + block]
+        U_b, log_phi_b = _response_profiles(Qs, Kc.gather(1, pos[..., None].expand(-1, -1, D)))
+        sim = U_b.transpose(1, 2) @ U_S             # [H, b, t] cosine similarities in [0, 1]
+        if hidden is not None:
+            sim.masked_fill_(hidden, -1.0)
+        best = sim.amax(dim=-1, keepdim=True)
+        is_max = sim >= best - tie_tol               # robust ties -> lowest slot r
+        assignment.scatter_(1, pos, is_max.to(torch.int8).argmax(dim=-1))
+        log_phi.scatter_(1, pos, log_phi_b)
+    # anchors are assigned to their own slot (paper Eq. (anchor_assignment), kappa(s_r) = r)
+    assignment.scatter_(1, target, slots)
+    log_phi.scatter_(1, target, log_phi_S)
+    return assignment[:, :T].contiguous(), log_phi[:, :T].contiguous()
 
 
 def assign_to_anchors(

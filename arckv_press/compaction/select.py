@@ -42,8 +42,16 @@ def _check_float(x: torch.Tensor, name: str, ndim: int) -> None:
     _check_tensor(x, name, ndim)
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise ValueError(f"{name} contains NaN or inf")
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN or inf in ``x``: its minimum and maximum (one pass, NaN propagates) are finite."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _check_scaling(scaling: float) -> float:

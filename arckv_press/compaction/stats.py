@@ -34,7 +34,7 @@ from .select import POOLINGS, RowPool, value_influence
 
 __all__ = ["DocBlock", "ReferenceStats", "causal_part", "split_attention", "STAT_SELECTORS"]
 
-STAT_SELECTORS = ("ha", "vi")
+STAT_SELECTORS = ("ha", "vi", "none")
 
 
 @dataclass
@@ -171,7 +171,8 @@ class ReferenceStats:
 
     ``H`` KV heads, ``G`` query heads per KV head, ``N`` captured positions, ``T`` document keys,
     ``Dv`` value width. ``selector`` ``ha`` or ``vi`` fixes what ``scores`` pools (``pooling`` as in
-    :class:`~arckv_press.compaction.select.RowPool`). Blocks arrive in increasing position order and
+    :class:`~arckv_press.compaction.select.RowPool`; ``none``: no scores, when another scorer, the learned
+    indexer, picks the anchors). Blocks arrive in increasing position order and
     cover every position once (:meth:`result` checks).
 
     The witness search keeps, per key, the largest probability any row gave it and the first
@@ -225,7 +226,9 @@ class ReferenceStats:
         self.row_out[:, :, pos:pos + b] = blk.out
         p = blk.probs.view(H, G * b, T)
         top = p.amax(dim=1)
-        if self.selector == "ha":
+        if self.selector == "none":
+            pass                                                                 # scores come from elsewhere
+        elif self.selector == "ha":
             self.pool.update(p, inplace=True)                                    # consumes the probabilities
         else:
             if V is None or blk.logits is None:
@@ -245,6 +248,8 @@ class ReferenceStats:
     @property
     def scores(self) -> torch.Tensor:
         """Pooled anchor scores ``[H, T]`` float32."""
+        if self.selector == "none":
+            raise ValueError("these reference statistics pool no anchor scores (selector='none')")
         return self.pool.result()
 
     def rows(self, name: str) -> torch.Tensor:

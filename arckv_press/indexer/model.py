@@ -512,6 +512,8 @@ class ValueAwareIndexer(nn.Module):
         if n < 1:
             raise ValueError(f"scores needs at least one reference row, got Q {tuple(Q.shape)}")
         kbar = key_features(p, K, V, cfg)  # [H, T, H_I, d_I]: O(T) like K itself
+        # stored as [H, H_I, d_I, T], the layout pair_logits multiplies by (no copy per row block)
+        kbar = kbar.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         kv = value_keys(p, K, V)  # 2 x [H, T, d_A]
         acc = torch.zeros(Q.shape[0], T, dtype=Q.dtype, device=Q.device)
         t_blocks = [(j0, min(T, j0 + block_T)) for j0 in range(0, T, block_T)]

@@ -44,7 +44,6 @@ the wall-time budget. Numbers in the docstring of ``scripts/train_indexer.py``.
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import os
@@ -52,7 +51,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
