@@ -30,6 +30,7 @@ from .select import (
     _check_valid,
     _check_values,
     _compute_dtype,
+    _hidden_slots,
     _row_blocks,
 )
 
@@ -294,7 +295,7 @@ class _FreeSlots:
     idx: torch.Tensor
     valid: torch.Tensor
     fixed: torch.Tensor  # [H, t] bool
-    all_valid: bool = False  # no padding: nothing to zero
+    hidden: torch.Tensor | None  # padding to zero (_hidden_slots of valid)
 
     @classmethod
     def of(cls, valid: torch.Tensor, fixed: torch.Tensor) -> "_FreeSlots":
@@ -308,12 +309,12 @@ class _FreeSlots:
         t_f = max(int(free.sum(-1).max()), 1)
         idx = torch.sort((~free).to(torch.int8), dim=1, stable=True).indices[:, :t_f]
         free_valid = free.gather(1, idx)
-        return cls(idx, free_valid, fixed, bool(free_valid.all()))
+        return cls(idx, free_valid, fixed, _hidden_slots(free_valid))
 
     def columns(self, X: torch.Tensor) -> torch.Tensor:
         """The free columns of ``X [H, b, t]``, ``[H, b, t_f]`` (padding zeroed)."""
         cols = X.gather(2, self.idx[:, None, :].expand(-1, X.shape[1], -1))
-        return cols if self.all_valid else cols.masked_fill_(~self.valid[:, None, :], 0.0)
+        return cols if self.hidden is None else cols.masked_fill_(self.hidden, 0.0)
 
     def rows(self, X: torch.Tensor) -> torch.Tensor:
         """The free rows of ``X [H, t, D]``, ``[H, t_f, D]``."""
@@ -347,7 +348,7 @@ def _mass_normal_equations(
     t = valid.shape[1] if free is None else free.idx.shape[1]
     A = torch.zeros(H, t, t, dtype=gram_dtype, device=K.device)     # summed in place in gram_dtype
     b = torch.zeros(H, t, dtype=torch.float64, device=K.device)
-    vm, all_valid = valid[:, None, :], bool(valid.all())
+    hidden = _hidden_slots(valid)
     fixed = None if free is None else free.fixed.to(torch.float64)[..., None]
     for lo, hi in _row_blocks(Q.shape[1], block_rows):
         Qb = Q[:, lo:hi].to(cd) * scaling
@@ -359,8 +360,8 @@ def _mass_normal_equations(
             z = targets[0][:, lo:hi, None].to(cd)
             zf = torch.exp(targets[1][:, lo:hi].double() - targets[0][:, lo:hi].double())
         phi_c = torch.exp(Qb @ Ct - z)                                          # Phi_C, [H, b, t]
-        if not all_valid:
-            phi_c.masked_fill_(~vm, 0.0)
+        if hidden is not None:
+            phi_c.masked_fill_(hidden, 0.0)
         if free is not None:
             zf = zf - (phi_c.double() @ fixed)[..., 0]                          # mass the fixed slots leave
             phi_c = free.columns(phi_c)
@@ -440,11 +441,6 @@ def fit_beta(
 # --------------------------------------------------------------------------------------
 # attention operators (paper Eqs. (full_attention), (compact_attention))
 # --------------------------------------------------------------------------------------
-
-
-def _hidden_slots(valid: torch.Tensor) -> torch.Tensor | None:
-    """``~valid [H, 1, t]`` for masking logits, or None when every slot is valid (no masking pass)."""
-    return None if bool(valid.all()) else ~valid[:, None, :]
 
 
 def _compact_probs(

@@ -32,6 +32,7 @@ from .select import (
     _check_tensor,
     _check_valid,
     _compute_dtype,
+    _hidden_slots,
 )
 
 _TIE_ULPS = 8  # similarities within this many ulps of the row max count as ties
@@ -114,7 +115,7 @@ def _assign_and_log_phi(
     others = torch.sort(is_anchor, dim=1, stable=True).indices[:, :n_other]  # padded with anchors
     assignment = torch.zeros(H, T + 1, dtype=torch.long, device=K.device)
     log_phi = torch.empty(H, T + 1, dtype=cd, device=K.device)
-    hidden = None if bool(valid.all()) else ~valid[:, None, :]
+    hidden = _hidden_slots(valid)
     for start in range(0, n_other, block):
         pos = others[:, start:start + block]
         U_b, log_phi_b = _response_profiles(Qs, Kc.gather(1, pos[..., None].expand(-1, -1, D)))

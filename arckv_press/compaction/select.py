@@ -46,6 +46,12 @@ def _check_float(x: torch.Tensor, name: str, ndim: int) -> None:
         raise ValueError(f"{name} contains NaN or inf")
 
 
+def _hidden_slots(valid: torch.Tensor) -> torch.Tensor | None:
+    """``~valid [H, 1, t]`` for masking ``[H, rows, t]`` blocks, or None when every slot is valid (no
+    masking pass)."""
+    return None if bool(valid.all()) else ~valid[:, None, :]
+
+
 def all_finite(x: torch.Tensor) -> bool:
     """No NaN or inf in ``x``: its minimum and maximum (one pass, NaN propagates) are finite."""
     if x.numel() == 0:

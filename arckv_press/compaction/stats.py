@@ -226,11 +226,9 @@ class ReferenceStats:
         self.row_out[:, :, pos:pos + b] = blk.out
         p = blk.probs.view(H, G * b, T)
         top = p.amax(dim=1)
-        if self.selector == "none":
-            pass                                                                 # scores come from elsewhere
-        elif self.selector == "ha":
+        if self.selector == "ha":
             self.pool.update(p, inplace=True)                                    # consumes the probabilities
-        else:
+        elif self.selector == "vi":
             if V is None or blk.logits is None:
                 raise ValueError("the VI selector needs the block's logits and the document values V")
             Vf = V.float()
