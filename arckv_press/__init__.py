@@ -14,6 +14,49 @@ Layers of the package (see ARCHITECTURE.md):
 
 Conventions: ``ratio`` is the kept fraction rho = t/T; kvpress's ``compression_ratio`` is
 ``1 - ratio`` and appears only at the kvpress boundary.
+
+Public names are exported lazily (module ``__getattr__``, PEP 562): ``import arckv_press`` imports
+neither torch nor transformers, so the lm-eval start-up hook stays cheap.
+
+    from arckv_press import ARCKVPress, AttentionMatchingPress, CompactCache, compact, load_model
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "ARCKVPress": "arckv_press.presses",
+    "AttentionMatchingPress": "arckv_press.presses",
+    "CompactCache": "arckv_press.cache",
+    "CompactionConfig": "arckv_press.api",
+    "compact": "arckv_press.api",
+    "compact_prefilled": "arckv_press.api",
+    "load_model": "arckv_press.models",
+}
+
+__all__ = ["ARCKVPress", "AttentionMatchingPress", "CompactCache", "CompactionConfig", "__version__", "compact",
+           "compact_prefilled", "load_model"]
+
+if TYPE_CHECKING:  # static analysers see the real objects
+    from arckv_press.api import CompactionConfig, compact, compact_prefilled
+    from arckv_press.cache import CompactCache
+    from arckv_press.models import load_model
+    from arckv_press.presses import ARCKVPress, AttentionMatchingPress
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'arckv_press' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -28,7 +28,8 @@ from transformers import DynamicCache
 from arckv_press import __version__
 from arckv_press.attention import enable_compact_attention
 from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, pack_heads
-from arckv_press.capture import QueryCapture, framing_for, prefill, repeat_prefill, repeat_prefill_stats
+from arckv_press.capture import QueryCapture, encode_document, framing_for, prefill, repeat_prefill, repeat_prefill_stats
+from arckv_press.compaction.checks import check_ratio
 from arckv_press.compaction.fit import FitConfig
 from arckv_press.compaction.layer import (
     AM_VARIANTS,
@@ -47,7 +48,7 @@ from arckv_press.compaction.reference import (
 )
 from arckv_press.compaction.select import POOLINGS, global_budgets, per_head_budgets
 
-__all__ = ["CompactionConfig", "config_id", "compact", "compact_prefilled", "METHODS", "encode_document", "CompactionReport"]
+__all__ = ["CompactionConfig", "config_id", "compact", "compact_prefilled", "METHODS", "CompactionReport"]
 
 METHODS = tuple(ARCKV_SELECTORS) + tuple(AM_VARIANTS)
 PIPELINES = ("fused", "separate")
@@ -83,18 +84,15 @@ class CompactionConfig:
         allocation: ARC-KV per-head budgets: ``"global"`` (default; one top-k over the scores of
             every layer and head, :func:`~arckv_press.compaction.select.global_budgets`) or
             ``"fixed"`` (Eq. (per_head_budget) with ``budget_weights`` / the checkpoint's weights /
-            uniform, the paper's setting). Measured on the default model (README, "planted
-            needles"): with fixed budgets, or with anchors scored from the budget rows only, every
-            planted 7-digit needle is lost at keep 20%; ``"all"`` + ``"global"`` keeps them.
-            Attention Matching methods ignore both options (uniform budgets, as its code).
+            uniform, the paper's setting); what each costs in planted needles is in
+            ``docs/results.md``. Attention Matching methods ignore both options (uniform budgets,
+            as its code).
         min_head_fraction: with ``allocation="global"``, every layer--KV head first keeps this
             fraction of its uniform budget, ``floor(min_head_fraction * ratio * T)`` anchors (at
             least 1), and only the rest is allocated by the global top-k
             (:func:`~arckv_press.compaction.select.global_budgets`'s ``min_fraction``); 0 = fully
-            global, 1 = uniform, 0.5 the default. Measured on the default model (README,
-            "Continuation fidelity"): fully global budgets starve diffuse heads at low kept
-            fractions (continuation damage 1.16 at keep 2%, 0.52 with the 0.5 floor, 0.45 with
-            uniform budgets), while fixed budgets lose planted needles (see ``allocation``).
+            global, 1 = uniform, 0.5 the default. Fully global budgets can starve diffuse heads at
+            low kept fractions (measured in ``docs/results.md``, "Continuation fidelity").
         pipeline: how ARC-KV with ``score_queries="all"`` reads its reference rows. ``"fused"``
             (default): the repeat-prefill's own attention gathers the anchor scores, each key's
             witness row and every row's full-cache targets in one pass
@@ -128,10 +126,9 @@ class CompactionConfig:
             beta = 0) or ``"all"`` (the paper; :class:`~arckv_press.compaction.layer.LayerMethod`).
         fit_witnesses: with ``score_queries="all"``, the fits (and key merging) use the
             ``query_budget`` rows plus every anchor's witness query, the captured row that attends
-            to it most (:mod:`arckv_press.compaction.witness`). Measured on the default model
-            (README, "Why ARC-KV lost needles"): without the witnesses, anchors picked for a
-            planted needle get C_v fitted from queries that barely touch them, and the needle is
-            lost. ``False`` = the budget rows only (the behaviour before this option).
+            to it most (:mod:`arckv_press.compaction.witness`): without them, anchors picked for a
+            planted needle get C_v fitted from queries that barely touch them (``docs/results.md``,
+            "Why ARC-KV lost needles"). ``False`` = the budget rows only.
     """
 
     method: str = "arckv"
@@ -164,8 +161,7 @@ class CompactionConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; expected one of {list(METHODS)}")
-        if not isinstance(self.ratio, (int, float)) or not (0.0 < self.ratio <= 1.0) or math.isnan(self.ratio):
-            raise ValueError(f"ratio is the kept fraction and must be in (0, 1], got {self.ratio!r}")
+        check_ratio(self.ratio)
         if not 0.0 <= self.context_fraction <= 1.0:
             raise ValueError(f"context_fraction must be in [0, 1], got {self.context_fraction}")
         if self.query_budget < 1 or self.repeat_chunk < 1:
@@ -255,16 +251,6 @@ class CompactionReport:
     full_bytes: int
     realised_ratio: float
     reference_rows: int
-
-
-def encode_document(tokenizer, text: str, use_chat_template: bool | None = None) -> tuple[torch.Tensor, int]:
-    """``prefix + document`` token ids ``[1, P + T]`` and the prefix length ``P`` (kvpress framing)."""
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("the context to compact is empty")
-    framing = framing_for(tokenizer, use_chat_template)
-    doc = tokenizer.encode(text, add_special_tokens=False)
-    ids = torch.tensor([framing.prefix_ids + doc], dtype=torch.long)
-    return ids, len(framing.prefix_ids)
 
 
 def _load_weights(weights, shape: tuple[int, int], num_layers: int) -> torch.Tensor | None:
@@ -383,8 +369,7 @@ def compact_prefilled(
     pipeline ran the prefill; then ``context_queries`` holds queries captured during it, if any).
     The compacted layers of ``cache`` are replaced by :class:`CompactLayer` objects; a
     ``CompactCache`` sharing those layers is returned. Runs under ``torch.no_grad()``: with
-    autograd on, the prefill, repeat-prefill and fits would keep their graphs alive (measured:
-    a 2K-token document on the default model peaked at 16.9 GB of RSS instead of 2.5 GB).
+    autograd on, the prefill, repeat-prefill and fits would keep their graphs alive.
     """
     from arckv_press.models import config_hash, describe_attention_layout, model_id, weights_fingerprint
 

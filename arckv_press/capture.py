@@ -33,6 +33,7 @@ from arckv_press.compaction.stats import ReferenceStats, causal_part, split_atte
 __all__ = [
     "Framing",
     "framing_for",
+    "encode_document",
     "CapturedQueries",
     "QueryCapture",
     "StatsCapture",
@@ -430,3 +431,13 @@ def _restore(cache, snapshot: list[tuple]) -> None:
         layer.keys, layer.values = k, v
         if cum is not None:
             layer.cumulative_length = cum
+
+
+def encode_document(tokenizer, text: str, use_chat_template: bool | None = None) -> tuple[torch.Tensor, int]:
+    """``prefix + document`` token ids ``[1, P + T]`` and the prefix length ``P`` (kvpress framing)."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("the context to compact is empty")
+    framing = framing_for(tokenizer, use_chat_template)
+    doc = tokenizer.encode(text, add_special_tokens=False)
+    ids = torch.tensor([framing.prefix_ids + doc], dtype=torch.long)
+    return ids, len(framing.prefix_ids)

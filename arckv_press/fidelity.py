@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 
 from arckv_press.compaction.reference import grouped_rows
-from arckv_press.compaction.select import (
-    _check_float,
-    _check_positive_int,
-    _check_qk,
-    _check_scaling,
-    _check_tensor,
-    _check_valid,
-    _compute_dtype,
+from arckv_press.compaction.checks import (
+    check_float,
+    check_positive_int,
+    check_qk,
+    check_scaling,
+    check_tensor,
+    check_valid,
+    compute_dtype,
 )
 
 __all__ = [
@@ -74,8 +74,8 @@ def evenly_spaced(n: int, k: int) -> list[int]:
     Index i is round(i * (n - 1) / (k - 1)) (round half to even); ``k >= n`` gives all of them,
     ``k == 1`` gives [0].
     """
-    _check_positive_int(n, "n")
-    _check_positive_int(k, "k")
+    check_positive_int(n, "n")
+    check_positive_int(k, "k")
     if k >= n:
         return list(range(n))
     if k == 1:
@@ -89,7 +89,7 @@ def parse_layers(spec: str | None, num_layers: int) -> list[int]:
     ``even:k`` is :func:`evenly_spaced` over the model's layers. Returns sorted unique indices;
     an index outside ``[0, num_layers)`` raises ``ValueError``.
     """
-    _check_positive_int(num_layers, "num_layers")
+    check_positive_int(num_layers, "num_layers")
     if spec is None or spec.strip().lower() == "all":
         return list(range(num_layers))
     spec = spec.strip()
@@ -144,9 +144,9 @@ def disjoint_windows(n_total: int, length: int, count: int, seed: int = 0) -> li
     The stream is cut into floor(n_total / length) consecutive windows; ``count`` of them are
     drawn without replacement by a permutation seeded with ``seed`` and returned ascending.
     """
-    _check_positive_int(n_total, "n_total")
-    _check_positive_int(length, "length")
-    _check_positive_int(count, "count")
+    check_positive_int(n_total, "n_total")
+    check_positive_int(length, "length")
+    check_positive_int(count, "count")
     available = n_total // length
     if count > available:
         raise ValueError(
@@ -159,10 +159,10 @@ def disjoint_windows(n_total: int, length: int, count: int, seed: int = 0) -> li
 
 def gather_slots(X: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Rows ``X[h, idx[h, r]]`` as ``[H, t, D]``; padded slots (``valid`` False) are zero."""
-    _check_tensor(X, "X", 3)
-    _check_tensor(idx, "idx", 2)
+    check_tensor(X, "X", 3)
+    check_tensor(idx, "idx", 2)
     H, T, D = X.shape
-    valid = _check_valid(valid, H, idx.shape[1], X.device)
+    valid = check_valid(valid, H, idx.shape[1], X.device)
     if idx.shape[0] != H:
         raise ValueError(f"idx has {idx.shape[0]} heads but X has {H}")
     safe = torch.where(valid, idx.long(), torch.zeros_like(idx, dtype=torch.long))
@@ -185,10 +185,10 @@ def log_key_mass(Q: torch.Tensor, K: torch.Tensor, scaling: float, block: int = 
     (phi_j / sum_{G_r} phi), exactly as in :func:`arckv_press.compaction.merge.merge_keys`.
     Float32 (float64 for float64 inputs), blockwise over positions.
     """
-    _check_qk(Q, K)
-    scaling = _check_scaling(scaling)
-    _check_positive_int(block, "block")
-    cd = _compute_dtype(Q, K)
+    check_qk(Q, K)
+    scaling = check_scaling(scaling)
+    check_positive_int(block, "block")
+    cd = compute_dtype(Q, K)
     Qs = Q.to(cd) * scaling
     parts = [
         torch.logsumexp(Qs @ K[:, a : a + block].to(cd).transpose(1, 2), dim=1)
@@ -210,10 +210,10 @@ def group_centroids(
     diagnostic value merging. Computed in float32 (float64 for float64 inputs), returned in the
     dtype of X.
     """
-    _check_float(X, "X", 3)
-    _check_tensor(assignment, "assignment", 2)
-    _check_float(log_phi, "log_phi", 2)
-    _check_positive_int(num_slots, "num_slots")
+    check_float(X, "X", 3)
+    check_tensor(assignment, "assignment", 2)
+    check_float(log_phi, "log_phi", 2)
+    check_positive_int(num_slots, "num_slots")
     H, T, D = X.shape
     if tuple(assignment.shape) != (H, T) or tuple(log_phi.shape) != (H, T):
         raise ValueError(
@@ -223,7 +223,7 @@ def group_centroids(
         raise TypeError(f"assignment must be an integer tensor, got {assignment.dtype}")
     if int(assignment.min()) < 0 or int(assignment.max()) >= num_slots:
         raise ValueError(f"assignment must lie in [0, num_slots={num_slots})")
-    cd = _compute_dtype(X, log_phi)
+    cd = compute_dtype(X, log_phi)
     a, lp = assignment.long(), log_phi.to(cd)
     gmax = torch.full((H, num_slots), -torch.inf, dtype=cd, device=X.device)
     gmax = gmax.scatter_reduce(1, a, lp, reduce="amax", include_self=True)
@@ -246,15 +246,15 @@ def interpolate_slots(
     ``interpolate_slots(K_S, mu, lam)`` equals ``merge_keys(..., lambda_m=lam)`` and one merge at
     lambda_m = 1 (which returns mu) serves a whole lambda_m sweep.
     """
-    _check_float(anchor_rows, "anchor_rows", 3)
-    _check_float(centroids, "centroids", 3)
+    check_float(anchor_rows, "anchor_rows", 3)
+    check_float(centroids, "centroids", 3)
     if anchor_rows.shape != centroids.shape:
         raise ValueError(f"anchor_rows {tuple(anchor_rows.shape)} and centroids {tuple(centroids.shape)} differ")
     if isinstance(lambda_m, bool) or not isinstance(lambda_m, (int, float)) or not 0.0 <= lambda_m <= 1.0:
         raise ValueError(f"lambda_m must be a float in [0, 1], got {lambda_m!r}")
     H, t, _ = anchor_rows.shape
-    valid = _check_valid(valid, H, t, anchor_rows.device)
-    cd = _compute_dtype(anchor_rows, centroids)
+    valid = check_valid(valid, H, t, anchor_rows.device)
+    cd = compute_dtype(anchor_rows, centroids)
     out = (1.0 - lambda_m) * anchor_rows.to(cd) + lambda_m * centroids.to(cd)
     return out.masked_fill(~valid[..., None], 0.0).to(anchor_rows.dtype)
 
@@ -274,8 +274,8 @@ def output_fidelity(O_hat: torch.Tensor, O: torch.Tensor) -> dict[str, torch.Ten
     Zero norms are guarded with the smallest positive float64 (a zero row of O gives a huge
     relative error rather than NaN; a zero row of O_hat has cosine 0).
     """
-    _check_float(O_hat, "O_hat", 3)
-    _check_float(O, "O", 3)
+    check_float(O_hat, "O_hat", 3)
+    check_float(O, "O", 3)
     if O_hat.shape != O.shape:
         raise ValueError(f"O_hat {tuple(O_hat.shape)} and O {tuple(O.shape)} differ")
     if O.shape[1] < 1:

@@ -4,8 +4,8 @@ The question is framed as kvpress's pipeline frames it (``question + suffix``) a
 the positions after the context (the cache's reported sequence length). After answering, the
 tokens appended for this question are removed again, so one compacted context serves many
 questions. :func:`answer_many` decodes several questions as one batch: with a compact cache the
-compacted block is shared by the batch (never copied per question); measured on the default model,
-16 questions in one batch ran 3.3x faster than one by one (README, "Many questions").
+compacted block is shared by the batch (never copied per question; timings in
+``docs/results.md``, "Many questions").
 """
 
 from __future__ import annotations

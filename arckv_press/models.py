@@ -153,9 +153,8 @@ def load_model(
             into the cache like the default).
         dtype: torch dtype (or its name, e.g. ``"float32"``) of the returned weights, or
             ``"auto"`` (default): bfloat16 on CUDA, float32 elsewhere. On CPUs without native
-            bf16 (e.g. AVX2-only x86) bf16 matmuls are emulated (measured on this project's
-            AMD EPYC with ``scripts/bench_dtype.py``: a 2048x576x1536 matmul 74x and a 256-token
-            prefill of the default model 6x slower than float32), so float32 is the CPU default.
+            bf16 (e.g. AVX2-only x86) bf16 matmuls are emulated and much slower
+            (``scripts/bench_dtype.py``, ``docs/methodology.md``), so float32 is the CPU default.
             The converted folder itself stores float32.
         device: device to move the model to.
         cache_dir: root of the conversion cache; default ``$ARCKV_CACHE_DIR`` or

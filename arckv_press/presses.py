@@ -34,6 +34,7 @@ from transformers import DynamicCache
 
 from arckv_press.api import CompactionConfig, CompactionReport, _capture_plan, compact_prefilled
 from arckv_press.capture import QueryCapture, framing_for
+from arckv_press.compaction.checks import check_ratio
 from arckv_press.compaction.layer import AM_VARIANTS, ARCKV_SELECTORS
 
 __all__ = ["ARCKVPress", "AttentionMatchingPress", "kept_to_compression", "resolve_kept_ratio"]
@@ -87,9 +88,7 @@ def resolve_kept_ratio(ratio: float | None, compression_ratio: float | None) -> 
                 f"compression_ratio (removed fraction) must be in [0, 1), got {removed!r} "
                 f"(kept fraction ratio = {kept!r})"
             )
-    if not 0.0 < kept <= 1.0:
-        raise ValueError(f"ratio is the kept fraction and must be in (0, 1], got {kept!r}")
-    return kept
+    return check_ratio(kept)
 
 
 @dataclass

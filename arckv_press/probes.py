@@ -74,9 +74,13 @@ def continuation_nll(model, cache, continuation_ids: torch.Tensor, context_lengt
     return float(torch.nn.functional.cross_entropy(logits, ids[0, 1:]))
 
 
-def split_documents(tokenizer, text: str, n_docs: int, doc_tokens: int, cont_tokens: int) -> list[tuple[str, list[int]]]:
-    """Disjoint ``(document text, continuation ids)`` pairs cut from ``text`` in order."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
+def split_documents(tokenizer, text: str, n_docs: int, doc_tokens: int, cont_tokens: int,
+                    skip_tokens: int = 0) -> list[tuple[str, list[int]]]:
+    """Disjoint ``(document text, continuation ids)`` pairs cut from ``text`` in order, after its
+    first ``skip_tokens`` tokens."""
+    if skip_tokens < 0:
+        raise ValueError(f"skip_tokens must be >= 0, got {skip_tokens}")
+    ids = tokenizer.encode(text, add_special_tokens=False)[skip_tokens:]
     step = doc_tokens + cont_tokens
     if len(ids) < n_docs * step:
         raise ValueError(f"text has {len(ids)} tokens, {n_docs * step} needed for {n_docs} documents")

@@ -168,3 +168,17 @@ def parse_length(text: str) -> int:
     if value < 64 or value != int(value):
         raise argparse.ArgumentTypeError(f"context length must be a whole number of tokens >= 64, got {text!r}")
     return int(value)
+
+
+def parse_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE a Python literal (``4.0``, ``None``, ``'separate'``) or a bare word."""
+    import argparse
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value

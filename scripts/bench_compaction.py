@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, median_seconds, parse_length, print_header, run_meta  # noqa: E402
+from arckv_press.runinfo import append_rows, median_seconds, parse_length, parse_option, print_header, run_meta  # noqa: E402
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_compaction.csv"
 COMPACTION_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha")
@@ -87,7 +87,7 @@ def clone_cache(model, cache):
 
 def document_ids(tok, haystack: str, length: int) -> tuple[torch.Tensor, int]:
     """``prefix + document`` ids with a document of ``length`` haystack tokens."""
-    from arckv_press.api import encode_document
+    from arckv_press.capture import encode_document
 
     doc = tok.encode(haystack[: length * 8], add_special_tokens=False)
     if len(doc) < length:
@@ -447,19 +447,6 @@ def method_ids_with_options(method: str, model_id: str, options: dict) -> dict[s
 
     extra = {"config_options": options} if options and METHODS[method].ours else {}
     return result_ids(method, model_id, **extra)
-
-
-def parse_option(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with VALUE a Python literal (``4.0``, ``None``, ``'separate'``) or a bare word."""
-    import ast
-
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
 
 
 def summary_from_csv(args) -> None:

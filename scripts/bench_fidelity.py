@@ -17,6 +17,14 @@ not depend on the model's question-answering skill, which is what matters on a 1
     python scripts/bench_fidelity.py --quick                      # 2 docs, 3 methods, keep 20%/10%
     python scripts/bench_fidelity.py                              # every method, 5 ratios, 8 docs
     python scripts/bench_fidelity.py --methods arckv snapkv --ratios 0.1 --docs 4
+    python scripts/bench_fidelity.py --split dev --methods arckv-ha --ratios 0.02 --option lambda_m=0.5
+
+``--split dev`` measures on development documents instead: slices of the *first* half of the essays
+after its first 16,384 tokens (beyond every needle / RULER haystack, which start at the beginning
+of the file, and disjoint from the reported second half), written to
+``leaderboards/fidelity_dev.csv``. Defaults that depend on the kept fraction are chosen there, never
+on the reported documents. ``--option KEY=VALUE`` passes a press option to the ARC-KV / Attention
+Matching methods (e.g. ``lambda_m=0.5``); its rows carry that option's ``config_id``.
 
 Writes one row per (method, ratio, document) to ``leaderboards/bench_fidelity.csv`` (resumable:
 finished rows are skipped, unless they used another learned indexer checkpoint or other compaction
@@ -44,15 +52,31 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, current_rows, is_current, print_header, read_rows, run_meta  # noqa: E402
+from arckv_press.runinfo import append_rows, is_current, parse_option, print_header, read_rows, run_meta  # noqa: E402
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_fidelity.csv"
+DEV_OUT = ROOT / "leaderboards" / "fidelity_dev.csv"
+DEV_SKIP_TOKENS = 16384  # the dev documents start this far into the first half (past every haystack)
 DEFAULT_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha", "snapkv", "kvzip",
                    "expected_attention", "knorm", "streaming_llm")
 DEFAULT_RATIOS = (0.2, 0.1, 0.05, 0.02, 0.01)
 QUICK = dict(methods=("arckv-ha", "snapkv", "expected_attention"), ratios=(0.2, 0.1), docs=2)
 FIELDS = ["method", "ratio", "doc", "doc_tokens", "cont_tokens", "nll", "nll_full", "nll_none", "damage",
           "compaction_s", "cache_bytes", "indexer", "config_id", "model", "command", "date", "package_version", "machine"]
+
+
+def split_documents_of(split: str, tokenizer, haystack: str, n_docs: int, doc_tokens: int, cont_tokens: int,
+                       skip_tokens: int = DEV_SKIP_TOKENS) -> list[tuple[str, list[int]]]:
+    """The ``(document, continuation ids)`` pairs of ``split``: ``test`` cuts the second half of the
+    haystack text, ``dev`` the first half after its first ``skip_tokens`` tokens."""
+    from arckv_press.probes import split_documents
+
+    half = len(haystack) // 2
+    if split == "test":
+        return split_documents(tokenizer, haystack[half:], n_docs, doc_tokens, cont_tokens)
+    if split == "dev":
+        return split_documents(tokenizer, haystack[:half], n_docs, doc_tokens, cont_tokens, skip_tokens)
+    raise ValueError(f"split must be 'test' or 'dev', got {split!r}")
 
 
 def row_key(method: str, ratio, doc, doc_tokens, cont_tokens, model: str) -> tuple:
@@ -102,8 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="2 documents, 3 methods, keep 20%% and 10%%")
     p.add_argument("--model", default=None, help="HF id or path (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--split", choices=("test", "dev"), default="test",
+                   help="test: the reported documents (second half of the essays); dev: development documents "
+                        "(first half, after 16,384 tokens) for choosing defaults")
+    p.add_argument("--option", dest="options", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
+                   help="a press option for the ARC-KV / Attention Matching methods (repeatable), e.g. lambda_m=0.5")
+    p.add_argument("--out", type=Path, default=None, help="CSV (default leaderboards/bench_fidelity.csv; "
+                   "with --split dev leaderboards/fidelity_dev.csv)")
     args = p.parse_args(argv)
+    args.options = dict(args.options)
+    args.out = args.out or (DEV_OUT if args.split == "dev" else DEFAULT_OUT)
     quick = QUICK if args.quick else {}
     methods = args.methods or quick.get("methods", DEFAULT_METHODS)
     ratios = args.ratios or quick.get("ratios", DEFAULT_RATIOS)
@@ -118,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from arckv_press.haystack import load_haystack
     from arckv_press.models import load_model, model_id
-    from arckv_press.probes import continuation_damage, reference_nlls, split_documents
+    from arckv_press.probes import continuation_damage, reference_nlls
     from arckv_press.registry import make_press, result_ids
 
     print_header("context fidelity (continuation damage)", argv=argv)
@@ -126,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_model(args.model)
     mid = model_id(model)
     haystack = load_haystack(None)
-    documents = split_documents(tok, haystack[len(haystack) // 2:], n_docs, args.doc_tokens, args.cont_tokens)
-    ids = {m: result_ids(m, mid) for m in methods}  # rows of another indexer checkpoint or config do not count
+    documents = split_documents_of(args.split, tok, haystack, n_docs, args.doc_tokens, args.cont_tokens)
+    options = {m: args.options if METHODS[m].ours else {} for m in methods}
+    # rows of another indexer checkpoint or config do not count
+    ids = {m: result_ids(m, mid, **options[m]) for m in methods}
     rows = read_rows(args.out)
     done = {row_key(r["method"], r["ratio"], r["doc"], r["doc_tokens"], r["cont_tokens"], r["model"]) for r in rows
             if r["method"] in ids and is_current(r, ids[r["method"]])}
@@ -143,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         ref_key = (d, args.doc_tokens, args.cont_tokens, mid)
         if ref_key not in references:
             references[ref_key] = reference_nlls(model, tok, doc, cont)
-        res = continuation_damage(model, tok, make_press(method, ratio), doc, cont, references[ref_key])
+        res = continuation_damage(model, tok, make_press(method, ratio, **options[method]), doc, cont,
+                                  references[ref_key])
         full, none = references[ref_key]
         row = {"method": method, "ratio": f"{ratio:g}", "doc": d, "doc_tokens": args.doc_tokens,
                "cont_tokens": args.cont_tokens, "nll": f"{res['nll']:.5f}", "nll_full": f"{full:.5f}",
@@ -152,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         append_rows(args.out, [row], FIELDS)
         rows.append(row)
         tqdm.write(f"{method:<19} keep {ratio:<5g} doc {d}  damage {res['damage']:+.3f}  {res['seconds']:6.1f} s")
-    print(summarize(current_rows(rows, mid), methods, ratios, n_docs, args.doc_tokens, args.cont_tokens, mid))
+    current = [r for r in rows if r["method"] in ids and is_current(r, ids[r["method"]])]
+    print(summarize(current, methods, ratios, n_docs, args.doc_tokens, args.cont_tokens, mid))
     return 0
 
 

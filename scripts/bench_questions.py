@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import DynamicCache
 
-    from arckv_press.api import compact, encode_document
+    from arckv_press.api import compact
+    from arckv_press.capture import encode_document
     from arckv_press.attention import compact_attention
     from arckv_press.cache import cache_nbytes
     from arckv_press.generation import answer, answer_many

@@ -59,7 +59,7 @@ except ModuleNotFoundError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arckv_press import __version__  # noqa: E402
-from arckv_press.api import encode_document  # noqa: E402
+from arckv_press.capture import encode_document  # noqa: E402
 from arckv_press.capture import framing_for, prefill, repeat_prefill  # noqa: E402
 from arckv_press.compaction.fit import (  # noqa: E402
     FitConfig,

@@ -61,6 +61,7 @@ from arckv_press.runinfo import (  # noqa: E402
     current_rows,
     is_current,
     parse_length,
+    parse_option,
     print_header,
     read_rows,
     run_meta,
@@ -92,21 +93,24 @@ def case_key(method: str, ratio, length, depth, seed) -> tuple:
     return (method, round(float(ratio), 6), int(length), round(float(depth), 6), int(seed))
 
 
-def indexer_options(name: str, indexer: str | None) -> dict:
-    """``{"indexer": indexer}`` for a method that uses the learned indexer when a checkpoint path
-    is given (``--indexer``), else ``{}`` (the shipped checkpoint)."""
+def indexer_options(name: str, indexer: str | None, options: dict | None = None) -> dict:
+    """The press options of method ``name``: ``{"indexer": indexer}`` for a method that uses the
+    learned indexer when a checkpoint path is given (``--indexer``; else the shipped checkpoint),
+    plus ``options`` (``--option``) for the ARC-KV / Attention Matching methods."""
     from arckv_press.registry import METHODS
 
-    return {"indexer": indexer} if indexer is not None and METHODS[name].uses_indexer else {}
+    out = {"indexer": indexer} if indexer is not None and METHODS[name].uses_indexer else {}
+    return {**out, **(options or {})} if METHODS[name].ours else out
 
 
-def current_ids(methods, mid: str, indexer: str | None = None) -> dict[str, dict[str, str]]:
+def current_ids(methods, mid: str, indexer: str | None = None, options: dict | None = None) -> dict[str, dict[str, str]]:
     """Per method, the indexer checkpoint id and compaction config id its results must carry
     (:func:`arckv_press.registry.result_ids`; empty strings where a method has none);
-    ``indexer``: the checkpoint path of ``--indexer`` (default: the shipped one)."""
+    ``indexer``: the checkpoint path of ``--indexer`` (default: the shipped one); ``options``:
+    ``--option`` press options of the ARC-KV / AM methods."""
     from arckv_press.registry import result_ids
 
-    return {name: result_ids(name, mid, **indexer_options(name, indexer)) for name in {*methods, "none"}}
+    return {name: result_ids(name, mid, **indexer_options(name, indexer, options)) for name in {*methods, "none"}}
 
 
 class TimedPress:
@@ -143,14 +147,15 @@ def is_correct(value: str, answer: str) -> bool:
     return re.search(rf"(?<!\d){re.escape(value)}(?!\d)", answer) is not None
 
 
-def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, indexer: str | None = None) -> dict:
+def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, indexer: str | None = None,
+             options: dict | None = None) -> dict:
     """One pipeline call; restores the model's attention implementation afterwards."""
     from arckv_press.attention import disable_compact_attention
     from arckv_press.registry import METHODS, make_press
     from transformers import DynamicCache
 
-    options = {"tokenizer": tok} if METHODS[name].ours else {}
-    press = make_press(name, ratio, **options, **indexer_options(name, indexer))
+    extra, options = options, {"tokenizer": tok} if METHODS[name].ours else {}
+    press = make_press(name, ratio, **options, **indexer_options(name, indexer, extra))
     timed = TimedPress(press)
     for module in attention_modules(model):  # stale KVzip masks from an earlier case
         module.masked_key_indices = None
@@ -201,7 +206,7 @@ def run(args, meta: dict) -> None:
 
     model, tok = load_model(args.model)
     mid = model_id(model)
-    ids = current_ids(args.methods, mid, args.indexer)
+    ids = current_ids(args.methods, mid, args.indexer, args.options)
     done = {case_key(r["method"], r["ratio"], r["length"], r["depth"], r["seed"]) for r in read_rows(args.out)
             if r["method"] in ids and is_current(r, ids[r["method"]])}  # a new checkpoint or default reruns its methods
     todo = [c for c in build_cases(args) if case_key(*c) not in done]
@@ -227,7 +232,7 @@ def run(args, meta: dict) -> None:
         text, needle, n_ctx = contexts[(length, depth, seed)]
         torch.manual_seed(seed)
         try:
-            result = run_case(pipe, model, tok, method, ratio, text, needle, args.indexer)
+            result = run_case(pipe, model, tok, method, ratio, text, needle, args.indexer, args.options)
         except ValueError as err:  # a method that cannot run here (e.g. context too short)
             tqdm.write(f"skipped {method} rho={ratio:g} length={length} depth={depth:g}: {err}")
             continue
@@ -343,10 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--indexer", default=None,
                    help="indexer checkpoint dir for the methods that use one (default: the shipped one); rows record "
                         "its id, and the summary and figures show the shipped checkpoint's rows only")
+    p.add_argument("--option", dest="options", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
+                   help="a press option for the ARC-KV / Attention Matching methods (repeatable), e.g. "
+                        "config_options={'fit_scope':'all'}; its rows carry that option's config_id")
     p.add_argument("--haystack", default=None, help="haystack text file (default: the Paul Graham essays)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"CSV (default {DEFAULT_OUT.relative_to(ROOT)})")
     args = p.parse_args(argv)
+    args.options = dict(args.options)
     grid = QUICK if args.quick else dict(methods=DEFAULT_METHODS, ratios=(0.2, 0.1, 0.05), lengths=(1000, 2000, 4000, 8000),
                                          depths=(0.0, 0.25, 0.5, 0.75, 1.0))
     for name, default in grid.items():

@@ -15,7 +15,7 @@ compacted twice counts once, with its last record, in ``make_leaderboard.py``). 
 checkpoint's id (``arckv``; ``arckv_run.indexer``, and ``indexer`` in each record) and the id of
 the compaction options (ARC-KV and AM; ``config_id``, :func:`arckv_press.api.config_id`); when
 another checkpoint is shipped or a default changes, such a folder moves to
-``<out>_indexer_<old id>/`` or ``<out>_config_<old id>/`` and the run starts afresh. ``scripts/make_leaderboard.py --results
+``archive/<out>_indexer_<old id>/`` or ``archive/<out>_config_<old id>/`` and the run starts afresh. ``scripts/make_leaderboard.py --results
 '<out>/**/results.json' --records '<out>/**/arckv_compaction.jsonl'`` turns the folder into the
 leaderboard.
 
@@ -110,15 +110,15 @@ def finished(folder: Path, ids: dict[str, str]) -> bool:
 
 def retire_stale(run: Run, out: Path, ids: dict[str, str]) -> bool:
     """Move a run folder made with another indexer checkpoint than ``ids`` to
-    ``<out>_indexer_<old id>/<benchmark>/<name>``, or with other compaction options (a changed
-    default) to ``<out>_config_<old id>/...`` (its request cache would replay the old answers);
+    ``archive/<out>_indexer_<old id>/<benchmark>/<name>`` (next to ``<out>``), or with other
+    compaction options (a changed default) to ``archive/<out>_config_<old id>/...`` (its request cache would replay the old answers);
     returns whether the run is finished with the current ones."""
     folder = run.folder(out)
     stored = folder_ids(folder)
     if stored is not None and stored != ids:
         key = "indexer" if stored["indexer"] != ids["indexer"] else "config_id"
         tag = key.removesuffix("_id")
-        dest = out.parent / f"{out.name}_{tag}_{stored[key] or 'unknown'}" / run.benchmark / run.name
+        dest = out.parent / "archive" / f"{out.name}_{tag}_{stored[key] or 'unknown'}" / run.benchmark / run.name
         if dest.exists():
             raise SystemExit(f"{folder} was made with {tag} {stored[key] or '(unknown)'}, and {dest} exists: move one away")
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,7 @@ def model_args_string(run: Run, model_path: str | None, dtype: str) -> str:
 def equivalent_command(run: Run, args, model_path: str | None) -> str:
     tasks, metadata, limit = task_setup(run, args)
     cmd = (f"lm_eval --model hf-arckv --model_args {model_args_string(run, model_path, args.dtype)} "
-           f"--tasks {','.join(tasks)} --include_path tasks --device cpu --metadata '{json.dumps(metadata)}'")
+           f"--tasks {','.join(tasks)} --device cpu --metadata '{json.dumps(metadata)}'")
     return cmd + (f" --limit {limit}" if limit else "")
 
 

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingface_hub
 
@@ -196,3 +198,18 @@ def assert_ratio_of_rounded(printed: float, num: float, den: float, csv_decimals
     low = (num - n) / (den + d)
     high = (num + n) / (den - d) if den > d else float("inf")
     assert low - p <= printed <= high + p, (printed, num, den)
+
+
+def short_quality_file(path: Path) -> Path:
+    """Two L-Eval QuALITY articles cut to ~400 characters: 2 questions of the first, 1 of the second."""
+    source = Path(__file__).resolve().parents[2] / "shared" / "data" / "quality" / "leval_quality.jsonl"
+    if not source.is_file():
+        pytest.skip(f"no local QuALITY file at {source}")
+    records = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines() if line.strip()][:2]
+    for record, n_questions in zip(records, (2, 1)):
+        text = record["input"].strip()
+        record["input"] = text[: text.rfind(" ", 0, 400)]
+        record["instructions"] = record["instructions"][:n_questions]
+        record["outputs"] = record["outputs"][:n_questions]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path

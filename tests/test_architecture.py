@@ -52,3 +52,53 @@ def test_the_checker_resolves_relative_and_local_imports(tmp_path):
                    "def f():\n    import transformers\n")
     found = {n for n, _ in _imports(src, "arckv_press.compaction")}
     assert found == {"arckv_press.capture", "arckv_press.compaction.stats", "transformers"}
+
+
+# The package's layers, bottom first (ARCHITECTURE.md, "Layers"): a module imports only from its own
+# layer or lower ones, function-local imports included. The root package (lazy exports, version)
+# imports nothing at run time and may be imported from anywhere.
+LAYERS = (
+    ("compaction", "attention"),
+    ("models", "cache", "capture", "indexer"),
+    ("api", "generation", "haystack"),
+    ("presses", "registry", "lm_eval", "cli", "tasks"),
+    ("fidelity", "probes", "runinfo"),
+)
+
+
+def _layer_of(module: str) -> int:
+    part = module.split(".")[1]
+    for level, names in enumerate(LAYERS):
+        if part in names:
+            return level
+    raise AssertionError(f"{module} is in no layer of LAYERS: add it (and to ARCHITECTURE.md)")
+
+
+def _package_modules():
+    for root, prefix in ((PACKAGE, "arckv_press"), (PACKAGE.parent / "tasks", "arckv_press.tasks")):
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join((prefix, *parts)).removesuffix(".__init__")
+            package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            yield name, path, package
+
+
+def test_every_import_goes_to_the_same_or_a_lower_layer():
+    bad = []
+    for name, path, package in _package_modules():
+        if name == "arckv_press":
+            continue
+        level = _layer_of(name)
+        for imported, line in _imports(path, package):
+            if not imported.startswith("arckv_press."):
+                continue
+            if _layer_of(imported) > level:
+                bad.append(f"{name} (layer {level}) line {line} imports {imported} (layer {_layer_of(imported)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_layer_check_catches_an_upward_import(tmp_path):
+    src = tmp_path / "data.py"
+    src.write_text("def f():\n    from arckv_press.api import encode_document\n")
+    (imported, _), = _imports(src, "arckv_press.indexer")
+    assert _layer_of("arckv_press.indexer.data") < _layer_of(imported)

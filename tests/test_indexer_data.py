@@ -142,7 +142,7 @@ class _CharTok:
 
 
 def test_pool_round_trip_and_resumable_cache(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
-    from arckv_press.api import encode_document
+    from arckv_press.capture import encode_document
 
     model, tok = _tiny(tiny_model, tiny_tokenizer)
     train, _ = _char_contexts()

@@ -1,9 +1,9 @@
 """Tests of the ``hf-arckv`` lm-eval model (``arckv_press/lm_eval``).
 
 Fast tests: the document span mapping against a brute-force reference, the marker strings, the
-records path, the CLI argument handling, the start-up hook (in a subprocess: a ``.pth`` file in a
-site dir registers ``hf-arckv`` lazily and imports nothing heavy) and the build step (a wheel built
-from a copy of the project ships the ``.pth`` file).
+records path, the start-up hook (in a subprocess: a ``.pth`` file in a site dir registers
+``hf-arckv`` lazily, imports nothing heavy and adds the package's tasks to lm-eval's TaskManager).
+The wheel itself is tested in ``tests/test_package.py``.
 
 Model tests (``-m model``; the default SmolLM2 model, float32, CPU), all on tiny inputs:
 
@@ -21,16 +21,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import short_quality_file
 
 from arckv_press.lm_eval import _build, _pth_hook
-from arckv_press.lm_eval.cli import prepare_argv
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS_DIR = REPO / "tasks"
@@ -56,11 +54,8 @@ def _load_model_module():
 
 
 def test_markers_match_task_definitions():
-    import importlib.util
+    from arckv_press.tasks._common import doc_markers as markers
 
-    spec = importlib.util.spec_from_file_location("_doc_markers_for_test", TASKS_DIR / "_common" / "doc_markers.py")
-    markers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(markers)
     mod = _load_model_module()
     assert (mod.DOC_START, mod.DOC_END) == (markers.DOC_START, markers.DOC_END)
     text = markers.wrap_document("Read this.\n\n", "a <document>\n quoted \n</document>\n inside", "\n\nQ: why?")
@@ -124,18 +119,26 @@ def test_records_path_and_cli_output_path():
     assert mod._cli_output_path(["--tasks", "x"]) is None
 
 
-def test_cli_adds_the_repository_task_folder(monkeypatch):
-    monkeypatch.delenv("ARCKV_TASKS_DIR", raising=False)
-    args = ["--model", "hf-arckv", "--tasks", "quality"]
-    assert prepare_argv(args) == [*args, "--include_path", str(TASKS_DIR)]
-    assert prepare_argv(["run", *args]) == ["run", *args, "--include_path", str(TASKS_DIR)]
-    given = [*args, "--include_path", "/elsewhere"]
-    assert prepare_argv(given) == given
-    assert prepare_argv(["--help"]) == ["--help"]
-    assert prepare_argv(["bogus-command", "x"]) == ["bogus-command", "x"]
-    monkeypatch.setenv("ARCKV_TASKS_DIR", "/definitely/not/here")
-    with pytest.raises(FileNotFoundError, match="ARCKV_TASKS_DIR"):
-        prepare_argv(args)
+def test_task_manager_indexes_the_package_tasks(monkeypatch):
+    """Every TaskManager (the plain ``lm_eval`` CLI's too) sees the package's tasks, which override
+    lm-eval's built-ins of the same names; a folder the user passes still wins over them; the
+    opt-out gives lm-eval's own tasks back."""
+    code = """
+import os, sys
+import arckv_press.lm_eval  # what the start-up hook does when lm-eval imports its TaskManager
+from lm_eval.tasks import TaskManager
+ours = arckv_press.lm_eval.tasks_dir()
+tm = TaskManager()
+for name in ("quality", "ruler", "niah_single_1", "longbench", "longbench_qasper"):
+    assert str(tm._index[name].yaml_path).startswith(ours), name
+tm = TaskManager(include_defaults=False, include_path=ours)  # given once: indexed once
+assert tm.include_path == ours and str(tm._index["quality"].yaml_path).startswith(ours)
+assert "quality" in TaskManager(include_defaults=False)._index
+os.environ["ARCKV_LM_EVAL_NO_TASKS"] = "1"
+assert "quality" not in TaskManager(include_defaults=False)._index
+print("ok")
+"""
+    assert _run_python(code, timeout=600).split()[-1] == "ok"
 
 
 def test_unknown_press_and_bad_ratio_fail_before_loading_a_model():
@@ -168,23 +171,27 @@ def test_pth_hook_registers_lazily_and_imports_nothing_heavy(tmp_path):
 import site, sys
 # an installed copy of the hook may already have run at start-up: undo it so this test sees one run
 sys.modules.pop({_build.HOOK_MODULE!r}, None)
-sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "RegistryImportHook"]
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "LmEvalImportHook"]
 before = set(sys.modules)
 site.addsitedir({str(tmp_path)!r})
 new = sorted(set(sys.modules) - before)
 assert new == [{_build.HOOK_MODULE!r}], new
-assert any(type(f).__name__ == "RegistryImportHook" for f in sys.meta_path)
+assert any(type(f).__name__ == "LmEvalImportHook" for f in sys.meta_path)
 import lm_eval.api.registry as r
-assert not any(type(f).__name__ == "RegistryImportHook" for f in sys.meta_path)  # one-shot
 print(r.model_registry._objs["hf-arckv"])
 print("hf" in r.model_registry, "torch" in sys.modules)
+hook = next(f for f in sys.meta_path if type(f).__name__ == "LmEvalImportHook")
+assert hook.pending == {{"lm_eval.tasks.manager"}}, hook.pending  # still waiting for the task manager
+import lm_eval.tasks
+assert not any(type(f).__name__ == "LmEvalImportHook" for f in sys.meta_path)  # one-shot
+print(lm_eval.tasks.TaskManager.__init__._arckv_tasks)
 """
     out = _run_python(code).split()
-    assert out == ["arckv_press.lm_eval.model:HFArcKV", "True", "False"]
+    assert out == ["arckv_press.lm_eval.model:HFArcKV", "True", "False", "True"]
     # opt-out
     out = _run_python(
         f"import site, sys; sys.modules.pop({_build.HOOK_MODULE!r}, None); "
-        "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != 'RegistryImportHook']; "
+        "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != 'LmEvalImportHook']; "
         f"site.addsitedir({str(tmp_path)!r}); import lm_eval.api.registry as r; "
         "print('hf-arckv' in r.model_registry)",
         env={"ARCKV_LM_EVAL_NO_HOOK": "1"},
@@ -205,50 +212,7 @@ print(r.get_model("hf-arckv").__name__)
     assert _run_python(code).split() == ["HFArcKV"]
 
 
-def test_wheel_ships_the_pth_hook(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    shutil.copy(REPO / "pyproject.toml", src / "pyproject.toml")
-    shutil.copy(REPO / "README.md", src / "README.md")
-    shutil.copytree(REPO / "arckv_press", src / "arckv_press", ignore=shutil.ignore_patterns("__pycache__", "weights"))
-    pyproject = (src / "pyproject.toml").read_text()
-    if "arckv_press.lm_eval._build.build_py" not in pyproject:  # the change the maintainers apply
-        pyproject = pyproject.replace(
-            "[tool.setuptools.packages.find]",
-            '[tool.setuptools]\ncmdclass = { build_py = "arckv_press.lm_eval._build.build_py" }\n\n'
-            "[tool.setuptools.packages.find]",
-        )
-        (src / "pyproject.toml").write_text(pyproject)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w", str(tmp_path / "dist")],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("*.whl")
-    with zipfile.ZipFile(wheel) as z:
-        names = set(z.namelist())
-        assert {_build.PTH_NAME, f"{_build.HOOK_MODULE}.py"} <= names
-        assert z.read(_build.PTH_NAME).decode() == f"import {_build.HOOK_MODULE}\n"
-        record = z.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
-        assert _build.PTH_NAME in record
-
-
 # --------------------------------------------------------------------------- model tests
-
-
-def _short_quality_file(path: Path) -> Path:
-    """Two L-Eval QuALITY articles cut to ~400 characters: 2 questions of the first, 1 of the second."""
-    source = SHARED_DATA / "quality" / "leval_quality.jsonl"
-    if not source.is_file():
-        pytest.skip(f"no local QuALITY file at {source}")
-    records = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines() if line.strip()][:2]
-    for record, n_questions in zip(records, (2, 1)):
-        text = record["input"].strip()
-        record["input"] = text[: text.rfind(" ", 0, 400)]
-        record["instructions"] = record["instructions"][:n_questions]
-        record["outputs"] = record["outputs"][:n_questions]
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +226,7 @@ def lm_env(tmp_path_factory):
         "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",  # the machine is shared: one thread per process avoids spin-waiting
-        "ARCKV_QUALITY_PATH": str(_short_quality_file(root / "quality_short.jsonl")),
+        "ARCKV_QUALITY_PATH": str(short_quality_file(root / "quality_short.jsonl")),
         "ARCKV_RULER_DATA": str(SHARED_DATA / "ruler"),
         "ARCKV_LONGBENCH_DIR": str(SHARED_DATA / "longbench"),
     }

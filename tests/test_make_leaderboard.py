@@ -323,3 +323,53 @@ def test_method_styles_tell_a_dozen_methods_and_their_families_apart(ml):
     assert labelled["qwen3 arckv"]["linestyle"] == "-" and labelled["smollm2 am-ha"]["linestyle"] == "--"
     assert labelled["qwen3 arckv"]["color"] != labelled["smollm2 arckv"]["color"]
     assert ml.method_styles({m: m for m in reversed(methods)}) == styles  # order of appearance does not matter
+
+
+def test_readme_headline_table_is_the_generated_one(ml):
+    """The README's headline table is exactly what make_leaderboard writes from leaderboard.csv."""
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "README.md").read_text(encoding="utf-8")
+    start, end = text.index(ml.HEADLINE_START), text.index(ml.HEADLINE_END)
+    in_readme = text[start + len(ml.HEADLINE_START):end].strip("\n")
+    rows = ml.read_csv(repo / "leaderboards" / "leaderboard.csv")
+    assert in_readme == ml.headline_markdown(rows)
+
+
+def test_headline_table_from_rows_and_readme_update(ml, tmp_path):
+    def row(bench, task, method, ratio, score, n="", seconds=""):
+        return {"benchmark": bench, "task": task, "method": method, "ratio": ratio, "score": score,
+                "n_examples": n, "compaction_seconds": seconds}
+
+    rows = [row("needle", "needle", "arckv", "0.1", "0.8", "15"), row("needle", "needle", "none", "1", "0.85", "20"),
+            row("fidelity", "continuation", "arckv", "0.2", "0.974", "4", "12.34"),
+            row("fidelity", "continuation", "arckv", "0.05", "0.5", "4", "3"),
+            row("ruler", "ruler", "snapkv", "0.05", "0.0449"), row("ruler", "ruler", "none", "1", "0.429"),
+            row("ruler", "niah_single_1", "snapkv", "0.05", "0.9")]  # a subtask never enters the table
+    table = ml.headline_markdown(rows).splitlines()
+    arckv = next(line for line in table if line.startswith("| `arckv` |"))
+    assert arckv == "| `arckv` | - · 12/15 · - | 0.97 · - · 0.50 | - | 12.3 · - · 3.0 |"
+    assert next(line for line in table if line.startswith("| `snapkv` |")) == "| `snapkv` | - | - | - · - · 0.04 | - |"
+    assert table[-2] == "| full cache | 17/20 | - | 0.43 | - |"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{ml.HEADLINE_START}\nold\n{ml.HEADLINE_END}\nrest\n")
+    assert ml.update_readme(readme, "| t |") and readme.read_text() == (
+        f"intro\n{ml.HEADLINE_START}\n| t |\n{ml.HEADLINE_END}\nrest\n")
+    assert not ml.update_readme(readme, "| t |")  # unchanged
+    readme.write_text(f"{ml.HEADLINE_END}\n{ml.HEADLINE_START}\n")
+    with pytest.raises(ValueError, match="must contain"):
+        ml.update_readme(readme, "| t |")
+
+
+def test_rows_of_a_non_default_option_never_replace_the_defaults(ml):
+    """A newer row made with ``--option`` (another config_id) does not hide the default's rows."""
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.registry import result_ids
+
+    ids = result_ids("arckv-ha", DEFAULT_MODEL_ID)
+    base = {"method": "arckv-ha", "model": DEFAULT_MODEL_ID, "indexer": ids["indexer"]}
+    default = [{**base, "config_id": ids["config_id"], "date": "2026-01-01", "n": str(i)} for i in range(3)]
+    option = {**base, "config_id": "not-the-default", "date": "2026-12-31", "n": "x"}
+    chosen_ids, chosen = ml.newest_rows([*default, option])
+    assert chosen_ids == ids and chosen == default
+    # without any default row, the newest configuration is reported (e.g. an old model's rows)
+    assert ml.newest_rows([option])[1] == [option]

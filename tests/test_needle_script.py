@@ -67,6 +67,27 @@ def test_indexer_flag_reaches_the_press_and_the_row_ids(tmp_path, monkeypatch):
     assert made == [("arckv", {"tokenizer": "tok", "indexer": str(ck)}), ("arckv-ha", {"tokenizer": "tok"})]
 
 
+def test_press_options_reach_our_presses_and_their_ids(monkeypatch):
+    """``--option`` goes to the ARC-KV / AM presses only, and their rows get that option's config id."""
+    import torch
+
+    from arckv_press.registry import result_ids
+
+    needle = load_script("needle")
+    opts = {"config_options": {"fit_scope": "all"}}
+    ids = needle.current_ids(["arckv-ha", "snapkv"], DEFAULT_MODEL_ID, None, opts)
+    assert ids["arckv-ha"] == result_ids("arckv-ha", DEFAULT_MODEL_ID, **opts) != result_ids("arckv-ha", DEFAULT_MODEL_ID)
+    assert ids["snapkv"] == result_ids("snapkv", DEFAULT_MODEL_ID)
+    made = []
+    monkeypatch.setattr("arckv_press.registry.make_press", lambda name, ratio, **kw: made.append((name, kw)))
+    for name in ("arckv-ha", "snapkv"):
+        try:
+            needle.run_case(None, torch.nn.Module(), "tok", name, 0.1, "ctx", None, None, opts)
+        except Exception:
+            pass  # the fake pipeline fails after the press is built
+    assert made == [("arckv-ha", {"tokenizer": "tok", **opts}), ("snapkv", {})]
+
+
 def test_default_grid_is_the_issues_grid(tmp_path, monkeypatch):
     """Without arguments: every default method x keep 20/10/5% x 1K/2K/4K/8K x five depths, plus the
     full cache once per (length, depth, seed)."""

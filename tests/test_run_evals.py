@@ -82,13 +82,13 @@ def test_runs_of_another_indexer_checkpoint_or_config_are_moved_away_and_rerun(r
     assert re_.retire_stale(re_.Run("ruler", "arckv", 0.2), out, ids("new")) is True and current.exists()
     assert re_.retire_stale(re_.Run("ruler", "snapkv", 0.1), out, ids("", "")) is True and snap.exists()
     assert re_.retire_stale(re_.Run("ruler", "arckv", 0.1), out, ids("new")) is False and not stale.exists()
-    assert (tmp_path / "lm_eval_indexer_old" / "ruler" / "arckv_0.1" / "requests.db").exists()
+    assert (tmp_path / "archive" / "lm_eval_indexer_old" / "ruler" / "arckv_0.1" / "requests.db").exists()
     assert re_.retire_stale(re_.Run("ruler", "arckv", 0.05), out, ids("new")) is False and not partial.exists()
-    assert (tmp_path / "lm_eval_indexer_old" / "ruler" / "arckv_0.05" / "arckv_compaction.jsonl").exists()
+    assert (tmp_path / "archive" / "lm_eval_indexer_old" / "ruler" / "arckv_0.05" / "arckv_compaction.jsonl").exists()
     assert re_.retire_stale(re_.Run("quality", "arckv", 0.1), out, ids("new")) is False
-    assert (tmp_path / "lm_eval_indexer_unknown" / "quality" / "arckv_0.1" / "results.json").exists()
+    assert (tmp_path / "archive" / "lm_eval_indexer_unknown" / "quality" / "arckv_0.1" / "results.json").exists()
     assert re_.retire_stale(re_.Run("ruler", "arckv-ha", 0.1), out, ids("")) is False and not old_default.exists()
-    assert (tmp_path / "lm_eval_config_c-old" / "ruler" / "arckv-ha_0.1" / "requests.db").exists()
+    assert (tmp_path / "archive" / "lm_eval_config_c-old" / "ruler" / "arckv-ha_0.1" / "requests.db").exists()
     assert re_.retire_stale(re_.Run("ruler", "arckv", 0.1), out, ids("new")) is False  # nothing left to move
     assert "moved" in capsys.readouterr().out
     stale.mkdir(parents=True)  # an archive that exists already is never overwritten

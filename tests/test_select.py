@@ -358,7 +358,7 @@ def test_global_budgets_errors():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_all_finite_matches_isfinite(dtype):
-    from arckv_press.compaction.select import all_finite
+    from arckv_press.compaction.checks import all_finite
 
     x = torch.randn(3, 40, 8).to(dtype)
     assert all_finite(x) and all_finite(x[:, :0])
@@ -367,3 +367,15 @@ def test_all_finite_matches_isfinite(dtype):
             y = x.clone()
             y[where] = bad
             assert not all_finite(y) and not bool(torch.isfinite(y).all())
+
+
+def test_check_ratio_is_the_one_kept_fraction_validator():
+    from arckv_press.compaction.checks import check_ratio
+
+    assert check_ratio(1) == 1.0 and check_ratio(0.05) == 0.05
+    for bad in (0, 0.0, -0.1, 1.0000001, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kept fraction and must be in"):
+            check_ratio(bad)
+    for bad in (True, "0.1", None):
+        with pytest.raises(TypeError, match="ratio must be a float"):
+            check_ratio(bad)

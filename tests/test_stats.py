@@ -247,7 +247,7 @@ def test_compact_layer_from_stats_equals_compact_layer_on_the_same_rows():
 def test_fused_repeat_prefill_equals_separate_passes_on_the_model(default_model_fp32):
     """On real captured layers of the default model: the fused pass's queries (so its attention
     output), HA / VI scores, witnesses and fit targets equal the separate passes'."""
-    from arckv_press.api import encode_document
+    from arckv_press.capture import encode_document
     from arckv_press.capture import framing_for, prefill, repeat_prefill, repeat_prefill_stats
     from arckv_press.haystack import load_haystack
 
@@ -286,7 +286,7 @@ def test_stats_capture_restores_attention_and_refuses_a_wrong_cache(tiny_model, 
     cache that does not hold prefix + document is refused before any forward."""
     from transformers import DynamicCache
 
-    from arckv_press.api import encode_document
+    from arckv_press.capture import encode_document
     from arckv_press.capture import framing_for, prefill, repeat_prefill_stats
 
     model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()

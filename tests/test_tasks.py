@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import collections
 import difflib
-import importlib.util
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +30,13 @@ TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 FIXTURES_LONGBENCH = Path(__file__).resolve().parent / "fixtures" / "longbench"
 
 
-def _load_resources() -> Any:
-    name = "arckv_tasks._common.resources"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, TASKS_DIR / "_common" / "resources.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-resources = _load_resources()
-markers = resources.load_local_module("_common/doc_markers.py")
-generate = resources.load_local_module("ruler/generate.py")
-ruler_utils = resources.load_local_module("ruler/utils.py")
-lb_metrics = resources.load_local_module("longbench/metrics.py")
-lb_utils = resources.load_local_module("longbench/utils.py")
-quality_utils = resources.load_local_module("quality/utils.py")
+from arckv_press.tasks._common import doc_markers as markers  # noqa: E402
+from arckv_press.tasks._common import resources  # noqa: E402
+from arckv_press.tasks.longbench import metrics as lb_metrics  # noqa: E402
+from arckv_press.tasks.longbench import utils as lb_utils  # noqa: E402
+from arckv_press.tasks.quality import utils as quality_utils  # noqa: E402
+from arckv_press.tasks.ruler import generate  # noqa: E402
+from arckv_press.tasks.ruler import utils as ruler_utils  # noqa: E402
 
 SHARED = resources.SHARED_DATA_DIR
 needs_shared_ruler = pytest.mark.skipif(not (SHARED / "ruler").is_dir(), reason="no shared RULER data")

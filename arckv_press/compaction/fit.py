@@ -22,16 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .select import (
-    _check_float,
-    _check_positive_int,
-    _check_qk,
-    _check_scaling,
-    _check_valid,
-    _check_values,
-    _compute_dtype,
-    _hidden_slots,
-    _row_blocks,
+from .checks import (
+    check_float,
+    check_positive_int,
+    check_qk,
+    check_scaling,
+    check_valid,
+    check_values,
+    compute_dtype,
+    hidden_slots,
+    row_blocks,
 )
 
 logger = logging.getLogger(__name__)
@@ -68,15 +68,13 @@ class FitConfig:
     value_prior: what the ridge of Eq. (value_lstsq) shrinks C_v toward. "zero" (paper:
         lambda ||C_v||^2) or "anchor" (lambda ||C_v - V_S||^2 with V_S the original values at
         the anchor positions, so a large ridge falls back to plain eviction's values instead
-        of to zero; see the README's needle evidence for why this matters).
+        of to zero; ``docs/results.md`` has the needle evidence).
     values: "fit" (paper Eq. (value_lstsq), the default) or "anchor": C_v = V_S, the original
         values at the anchor positions, with no value solve (beta and the merged C_k are still
-        fitted). A diagnostic option: on one needle with max-pooled HA anchors the ridge fit
-        lost exact copying and "anchor" kept it, but with the default anchors "anchor" found
-        1/6 needles and raised continuation damage from 0.13 to 0.77 (README, "Why ARC-KV
-        loses needles"). ARC-KV methods only (the AM baselines always fit C_v).
+        fitted). A diagnostic option (measured in ``docs/results.md``, "Why ARC-KV lost
+        needles"). ARC-KV methods only (the AM baselines always fit C_v).
     block_rows: query rows per block. 256 keeps each ``[rows, T]`` temporary small enough for the
-        CPU caches at T of a few thousand (measured at T = 4K, 11.5K rows: 1.3-1.5x faster than 1024).
+        CPU caches at T of a few thousand.
     nnls_max_iter: cap on Lawson--Hanson iterations (None: 3 * t + 10).
     gram_dtype: dtype of each row block's products Phi^T Phi, P^T P and P^T Y ("float32" or
         "float64") for float32 inputs (float64 inputs always use float64), summed over row blocks
@@ -112,11 +110,11 @@ class FitConfig:
             raise ValueError(f"value_prior must be 'zero' or 'anchor', got {self.value_prior!r}")
         if self.values not in VALUE_MODES:
             raise ValueError(f"values must be one of {VALUE_MODES}, got {self.values!r}")
-        _check_positive_int(self.block_rows, "block_rows")
+        check_positive_int(self.block_rows, "block_rows")
         if self.gram_dtype not in ("float32", "float64"):
             raise ValueError(f"gram_dtype must be 'float32' or 'float64', got {self.gram_dtype!r}")
         if self.nnls_max_iter is not None:
-            _check_positive_int(self.nnls_max_iter, "nnls_max_iter")
+            check_positive_int(self.nnls_max_iter, "nnls_max_iter")
 
 
 # --------------------------------------------------------------------------------------
@@ -273,7 +271,7 @@ def _nnls_normal(
 
 
 def _check_compact(C: torch.Tensor, name: str, H: int, D: int | None, device: torch.device) -> None:
-    _check_float(C, name, 3)
+    check_float(C, name, 3)
     if C.shape[0] != H or (D is not None and C.shape[2] != D):
         raise ValueError(f"{name} {tuple(C.shape)} must be [H={H}, t, D={D}]")
     if C.shape[1] < 1:
@@ -295,7 +293,7 @@ class _FreeSlots:
     idx: torch.Tensor
     valid: torch.Tensor
     fixed: torch.Tensor  # [H, t] bool
-    hidden: torch.Tensor | None  # padding to zero (_hidden_slots of valid)
+    hidden: torch.Tensor | None  # padding to zero (hidden_slots of valid)
 
     @classmethod
     def of(cls, valid: torch.Tensor, fixed: torch.Tensor) -> "_FreeSlots":
@@ -309,7 +307,7 @@ class _FreeSlots:
         t_f = max(int(free.sum(-1).max()), 1)
         idx = torch.sort((~free).to(torch.int8), dim=1, stable=True).indices[:, :t_f]
         free_valid = free.gather(1, idx)
-        return cls(idx, free_valid, fixed, _hidden_slots(free_valid))
+        return cls(idx, free_valid, fixed, hidden_slots(free_valid))
 
     def columns(self, X: torch.Tensor) -> torch.Tensor:
         """The free columns of ``X [H, b, t]``, ``[H, b, t_f]`` (padding zeroed)."""
@@ -342,15 +340,15 @@ def _mass_normal_equations(
     ``free``: only the free columns enter A and b, and the fixed slots' mass (weight 1) is taken
     off the target: b = Phi_F^T (Phi_K 1 - Phi_U 1).
     """
-    cd = _compute_dtype(Q, K, C_k)
+    cd = compute_dtype(Q, K, C_k)
     Kt, Ct = K.to(cd).transpose(1, 2), C_k.to(cd).transpose(1, 2)
     H = valid.shape[0]
     t = valid.shape[1] if free is None else free.idx.shape[1]
     A = torch.zeros(H, t, t, dtype=gram_dtype, device=K.device)     # summed in place in gram_dtype
     b = torch.zeros(H, t, dtype=torch.float64, device=K.device)
-    hidden = _hidden_slots(valid)
+    hidden = hidden_slots(valid)
     fixed = None if free is None else free.fixed.to(torch.float64)[..., None]
-    for lo, hi in _row_blocks(Q.shape[1], block_rows):
+    for lo, hi in row_blocks(Q.shape[1], block_rows):
         Qb = Q[:, lo:hi].to(cd) * scaling
         if targets is None:
             Lk = Qb @ Kt
@@ -375,7 +373,7 @@ def _check_row_targets(targets, shape) -> None:
     if not isinstance(targets, tuple) or len(targets) != 2:
         raise TypeError("targets must be a (row_max, row_lse) pair")
     for name, x in zip(("row_max", "row_lse"), targets):
-        _check_float(x, name, 2)
+        check_float(x, name, 2)
         if tuple(x.shape) != tuple(shape):
             raise ValueError(f"{name} must have shape {tuple(shape)} (heads x rows of Q), got {tuple(x.shape)}")
 
@@ -407,19 +405,19 @@ def fit_beta(
     Returns ``beta`` ``[H, t]`` (dtype of K) and ``w*`` ``[H, t]`` float32. Invalid slots
     get beta = 0 and w = 0; callers must pass ``valid`` downstream.
     """
-    _check_qk(Q, K)
-    scaling = _check_scaling(scaling)
+    check_qk(Q, K)
+    scaling = check_scaling(scaling)
     H, T, D = K.shape
     _check_compact(C_k, "C_k", H, D, K.device)
     t = C_k.shape[1]
-    valid = _check_valid(valid, H, t, K.device)
+    valid = check_valid(valid, H, t, K.device)
     if not isinstance(config, FitConfig):
         raise TypeError(f"config must be a FitConfig, got {type(config).__name__}")
     if targets is not None:
         _check_row_targets(targets, Q.shape[:2])
     free = None if fixed is None else _FreeSlots.of(valid, fixed)
     A, b = _mass_normal_equations(Q, K, C_k, scaling, valid, config.block_rows, targets,
-                                  _gram_dtype(config, _compute_dtype(Q, K, C_k)), free)
+                                  _gram_dtype(config, compute_dtype(Q, K, C_k)), free)
     solve_valid = valid if free is None else free.valid
     ridge = config.mass_ridge * _mean_diag(A, solve_valid)
     if config.mass_solver == "ls_clamp":
@@ -446,7 +444,7 @@ def fit_beta(
 def _compact_probs(
     Qb: torch.Tensor, Ct: torch.Tensor, beta: torch.Tensor, hidden: torch.Tensor | None
 ) -> torch.Tensor:
-    """softmax(Qb C_k^T + beta) over the slots not ``hidden`` (:func:`_hidden_slots`); ``Qb`` already scaled."""
+    """softmax(Qb C_k^T + beta) over the slots not ``hidden`` (:func:`hidden_slots`); ``Qb`` already scaled."""
     logits = torch.baddbmm(beta[:, None, :], Qb, Ct)
     if hidden is not None:
         logits.masked_fill_(hidden, -torch.inf)
@@ -460,15 +458,15 @@ def full_attention(
 
     Computed in float32 (float64 for float64 inputs), blockwise over rows; differentiable.
     """
-    _check_qk(Q, K)
-    _check_values(V, K)
-    scaling = _check_scaling(scaling)
-    _check_positive_int(block_rows, "block_rows")
-    cd = _compute_dtype(Q, K, V)
+    check_qk(Q, K)
+    check_values(V, K)
+    scaling = check_scaling(scaling)
+    check_positive_int(block_rows, "block_rows")
+    cd = compute_dtype(Q, K, V)
     Kt, Vc = K.to(cd).transpose(1, 2), V.to(cd)
     out = [
         torch.softmax((Q[:, lo:hi].to(cd) * scaling) @ Kt, dim=-1) @ Vc
-        for lo, hi in _row_blocks(Q.shape[1], block_rows)
+        for lo, hi in row_blocks(Q.shape[1], block_rows)
     ]
     return torch.cat(out, dim=1).to(V.dtype)
 
@@ -476,18 +474,18 @@ def full_attention(
 def _check_compact_cache(
     Q: torch.Tensor, C_k: torch.Tensor, beta: torch.Tensor, C_v: torch.Tensor | None, valid: torch.Tensor | None
 ) -> torch.Tensor:
-    _check_float(Q, "Q", 3)
+    check_float(Q, "Q", 3)
     H, _, D = Q.shape
     _check_compact(C_k, "C_k", H, D, Q.device)
     t = C_k.shape[1]
-    _check_float(beta, "beta", 2)
+    check_float(beta, "beta", 2)
     if tuple(beta.shape) != (H, t):
         raise ValueError(f"beta must have shape {(H, t)}, got {tuple(beta.shape)}")
     if C_v is not None:
         _check_compact(C_v, "C_v", H, None, Q.device)
         if C_v.shape[1] != t:
             raise ValueError(f"C_v {tuple(C_v.shape)} must have t={t} slots like C_k")
-    valid = _check_valid(valid, H, t, Q.device)
+    valid = check_valid(valid, H, t, Q.device)
     if not bool(valid.any(-1).all()):
         raise ValueError(f"head {int((~valid.any(-1)).nonzero()[0])} has no valid compact slot")
     return valid
@@ -507,14 +505,14 @@ def compact_attention(
     ``[H, n, Dv]`` in the dtype of C_v; blockwise over rows; differentiable.
     """
     valid = _check_compact_cache(Q, C_k, beta, C_v, valid)
-    scaling = _check_scaling(scaling)
-    _check_positive_int(block_rows, "block_rows")
-    cd = _compute_dtype(Q, C_k, beta, C_v)
+    scaling = check_scaling(scaling)
+    check_positive_int(block_rows, "block_rows")
+    cd = compute_dtype(Q, C_k, beta, C_v)
     Ct, bc, Cv = C_k.to(cd).transpose(1, 2), beta.to(cd), C_v.to(cd)
-    hidden = _hidden_slots(valid)
+    hidden = hidden_slots(valid)
     out = [
         _compact_probs(Q[:, lo:hi].to(cd) * scaling, Ct, bc, hidden) @ Cv
-        for lo, hi in _row_blocks(Q.shape[1], block_rows)
+        for lo, hi in row_blocks(Q.shape[1], block_rows)
     ]
     return torch.cat(out, dim=1).to(C_v.dtype)
 
@@ -557,16 +555,16 @@ def fit_values(
     given; only the others are fitted, to what the fixed ones leave:
     C_F = argmin ||P_F C - (Y - P_U fixed_values_U)||_F^2 + lambda ||C||_F^2 (P over every slot).
     """
-    _check_qk(Q, K)
-    _check_values(V, K)
-    scaling = _check_scaling(scaling)
+    check_qk(Q, K)
+    check_values(V, K)
+    scaling = check_scaling(scaling)
     H, T, D = K.shape
     _check_compact(C_k, "C_k", H, D, K.device)
     t = C_k.shape[1]
-    _check_float(beta, "beta", 2)
+    check_float(beta, "beta", 2)
     if tuple(beta.shape) != (H, t):
         raise ValueError(f"beta must have shape {(H, t)}, got {tuple(beta.shape)}")
-    valid = _check_valid(valid, H, t, K.device)
+    valid = check_valid(valid, H, t, K.device)
     if not isinstance(config, FitConfig):
         raise TypeError(f"config must be a FitConfig, got {type(config).__name__}")
     lam = config.ridge_v if ridge is None else ridge
@@ -575,32 +573,32 @@ def fit_values(
     if (config.value_prior == "anchor") != (prior is not None):
         raise ValueError("pass prior (values at the anchors) exactly when config.value_prior == 'anchor'")
     if prior is not None:
-        _check_float(prior, "prior", 3)
+        check_float(prior, "prior", 3)
         if tuple(prior.shape) != (H, t, V.shape[-1]):
             raise ValueError(f"prior must have shape {(H, t, V.shape[-1])}, got {tuple(prior.shape)}")
     if Y is not None:
-        _check_float(Y, "Y", 3)
+        check_float(Y, "Y", 3)
         if tuple(Y.shape) != (*Q.shape[:2], V.shape[-1]):
             raise ValueError(f"Y must have shape {(*Q.shape[:2], V.shape[-1])} (rows of Q x value width), got {tuple(Y.shape)}")
     if (fixed is None) != (fixed_values is None):
         raise ValueError("pass fixed and fixed_values together")
     free = None
     if fixed is not None:
-        _check_float(fixed_values, "fixed_values", 3)
+        check_float(fixed_values, "fixed_values", 3)
         if tuple(fixed_values.shape) != (H, t, V.shape[-1]):
             raise ValueError(f"fixed_values must have shape {(H, t, V.shape[-1])}, got {tuple(fixed_values.shape)}")
         free = _FreeSlots.of(valid, fixed)
-    cd = _compute_dtype(Q, K, V, C_k, beta)
+    cd = compute_dtype(Q, K, V, C_k, beta)
     Kt, Vc = K.to(cd).transpose(1, 2), V.to(cd)
     Ct, bc = C_k.to(cd).transpose(1, 2), beta.to(cd)
-    hidden = _hidden_slots(valid)
+    hidden = hidden_slots(valid)
     gd = _gram_dtype(config, cd)
     t_s = t if free is None else free.idx.shape[1]                        # slots solved for
     G = torch.zeros(H, t_s, t_s, dtype=gd, device=K.device)           # summed in place in gd (no temporaries)
     R = torch.zeros(H, t_s, V.shape[-1], dtype=gd, device=K.device)
     if free is not None:
         C_fixed = fixed_values.to(cd).masked_fill(~free.fixed[..., None], 0.0)
-    for lo, hi in _row_blocks(Q.shape[1], config.block_rows):
+    for lo, hi in row_blocks(Q.shape[1], config.block_rows):
         Qb = Q[:, lo:hi].to(cd) * scaling
         Yb = torch.softmax(Qb @ Kt, dim=-1) @ Vc if Y is None else Y[:, lo:hi]
         P = _compact_probs(Qb, Ct, bc, hidden)
@@ -646,22 +644,22 @@ def attention_mass_error(
     Phi of paper Eq. (mass_fit)), as in paper App. "Key-Merging Coefficient". The dead
     fraction is the share of valid slots with w <= 0.
     """
-    _check_qk(Q, K)
-    scaling = _check_scaling(scaling)
+    check_qk(Q, K)
+    scaling = check_scaling(scaling)
     H, T, D = K.shape
     _check_compact(C_k, "C_k", H, D, K.device)
     t = C_k.shape[1]
-    valid = _check_valid(valid, H, t, K.device)
-    _check_float(w, "w", 2)
+    valid = check_valid(valid, H, t, K.device)
+    check_float(w, "w", 2)
     if tuple(w.shape) != (H, t):
         raise ValueError(f"w must have shape {(H, t)}, got {tuple(w.shape)}")
-    _check_positive_int(block_rows, "block_rows")
-    cd = _compute_dtype(Q, K, C_k)
+    check_positive_int(block_rows, "block_rows")
+    cd = compute_dtype(Q, K, C_k)
     Kt, Ct = K.to(cd).transpose(1, 2), C_k.to(cd).transpose(1, 2)
     wv = (w.double() * valid)[..., None]
     err2 = torch.zeros(H, dtype=torch.float64, device=K.device)
     ref2 = torch.zeros(H, dtype=torch.float64, device=K.device)
-    for lo, hi in _row_blocks(Q.shape[1], block_rows):
+    for lo, hi in row_blocks(Q.shape[1], block_rows):
         Qb = Q[:, lo:hi].to(cd) * scaling
         Lk = Qb @ Kt
         z = Lk.amax(-1, keepdim=True)

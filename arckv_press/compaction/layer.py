@@ -47,7 +47,7 @@ class LayerMethod:
         chunk_len / chunk_min_length: chunked top-t for long contexts (App. KV-Based Chunking).
         fit: beta / C_v fitting options.
         block: position block of the merge assignment (bounds memory; 256 keeps the ``[n, block]``
-            profiles in the CPU caches: measured 1.9x faster than 4096 at T = 4K, 11.5K rows).
+            profiles in the CPU caches).
         verbatim_fraction: :func:`compact_layer_from_stats` only: a head keeping more than this
             fraction of its positions keeps its anchors' keys and values, beta = 0, unmerged and
             unfitted (``None``: none does).
@@ -60,9 +60,8 @@ class LayerMethod:
             its anchors. ``"all"``: every anchor (the paper).
         fit_witnesses: when merging and the fits use a subset of the scoring pool, add every
             anchor's witness query (the pooled row that attends to it most, :mod:`.witness`)
-            to that subset. Measured on the default model (README, "Why ARC-KV lost needles"):
-            without it, anchors picked for a planted needle get C_v fitted from queries that
-            barely touch them and the needle is lost.
+            to that subset: without it, anchors picked for a planted needle get C_v fitted from
+            queries that barely touch them (``docs/results.md``, "Why ARC-KV lost needles").
     """
 
     name: str = "arckv"
@@ -209,7 +208,7 @@ def compact_layer(
     check_anchors(idx, valid, K.shape[1])
     # Heads are merged and fitted one at a time at their own anchor count: under global budgets
     # the counts of one layer's heads differ a lot, and padding every head to the largest one
-    # cost 1.8x the merge work and 2.5x the fit work (README, "Compaction time").
+    # multiplied the merge and fit work (docs/history.md, "Compaction time").
     H, t_max = valid.shape
     C_k = K.new_zeros(H, t_max, K.shape[2])
     C_v = V.new_zeros(H, t_max, V.shape[2])

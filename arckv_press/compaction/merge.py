@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import torch
 
-from .select import (
-    _check_positive_int,
-    _check_qk,
-    _check_scaling,
-    _check_tensor,
-    _check_valid,
-    _compute_dtype,
-    _hidden_slots,
+from .checks import (
+    check_positive_int,
+    check_qk,
+    check_scaling,
+    check_tensor,
+    check_valid,
+    compute_dtype,
+    hidden_slots,
 )
 
 _TIE_ULPS = 8  # similarities within this many ulps of the row max count as ties
@@ -44,11 +44,11 @@ def check_anchors(anchors: torch.Tensor, valid: torch.Tensor, T: int) -> torch.T
     Valid anchors must lie in [0, T) and be distinct within a head; every head needs at least
     one valid anchor. Padded slots are ignored (their index is not checked).
     """
-    _check_tensor(anchors, "anchors", 2)
+    check_tensor(anchors, "anchors", 2)
     if anchors.dtype.is_floating_point or anchors.dtype == torch.bool:
         raise TypeError(f"anchors must be an integer tensor, got {anchors.dtype}")
     H, t = anchors.shape
-    valid = _check_valid(valid, H, t, anchors.device)
+    valid = check_valid(valid, H, t, anchors.device)
     if t < 1:
         raise ValueError("anchors must have at least one slot")
     empty = ~valid.any(-1)
@@ -73,9 +73,9 @@ def check_anchor_inputs(
     """Validate ``Q [H, n, D]``, ``K [H, T, D]``, padded ``anchors [H, t]`` and a block size, as
     every function that reads all keys against the anchors of a layer needs; returns the checked
     ``scaling`` and the bool ``valid`` mask (:func:`check_anchors`)."""
-    _check_qk(Q, K)
-    scaling = _check_scaling(scaling)
-    _check_positive_int(block, "block")
+    check_qk(Q, K)
+    scaling = check_scaling(scaling)
+    check_positive_int(block, "block")
     valid = check_anchors(anchors, valid, K.shape[1])
     if anchors.shape[0] != K.shape[0]:
         raise ValueError(f"anchors has {anchors.shape[0]} heads but K has {K.shape[0]}")
@@ -100,7 +100,7 @@ def _assign_and_log_phi(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     H, T, D = K.shape
     t = anchors.shape[1]
-    cd = _compute_dtype(Q, K)
+    cd = compute_dtype(Q, K)
     Qs = Q.to(cd) * scaling
     Kc = K.to(cd)
     safe = torch.where(valid, anchors.long(), torch.zeros_like(anchors, dtype=torch.long))
@@ -115,7 +115,7 @@ def _assign_and_log_phi(
     others = torch.sort(is_anchor, dim=1, stable=True).indices[:, :n_other]  # padded with anchors
     assignment = torch.zeros(H, T + 1, dtype=torch.long, device=K.device)
     log_phi = torch.empty(H, T + 1, dtype=cd, device=K.device)
-    hidden = _hidden_slots(valid)
+    hidden = hidden_slots(valid)
     for start in range(0, n_other, block):
         pos = others[:, start:start + block]
         U_b, log_phi_b = _response_profiles(Qs, Kc.gather(1, pos[..., None].expand(-1, -1, D)))

@@ -73,6 +73,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_float, check_qk, check_scaling
 from .fit import FitConfig, fit_values
 
 __all__ = [
@@ -186,37 +187,6 @@ _VARIANTS = {"omp": AM_OMP, "omp-fast": AM_OMP_FAST, "ha": AM_HA}
 
 # ----------------------------------------------------------------------------------------------
 # input checks
-
-
-def _check_tensor(name: str, x: object, ndim: int) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
-    bad = ~torch.isfinite(x)
-    if bad.any():
-        head = int(bad.nonzero()[0, 0]) if ndim > 1 else 0
-        raise ValueError(f"{name} contains NaN/inf (first at head {head})")
-    return x
-
-
-def _check_scaling(scaling: object) -> float:
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-        raise TypeError(f"scaling must be a real number, got {type(scaling).__name__}")
-    if not (math.isfinite(scaling) and scaling > 0):
-        raise ValueError(f"scaling must be finite and > 0, got {scaling}")
-    return float(scaling)
-
-
-def _check_qk(Q: torch.Tensor, K: torch.Tensor) -> None:
-    _check_tensor("Q", Q, 3)
-    _check_tensor("K", K, 3)
-    if Q.shape[0] != K.shape[0] or Q.shape[2] != K.shape[2]:
-        raise ValueError(f"Q {tuple(Q.shape)} and K {tuple(K.shape)} must agree on heads and head_dim ([H, n, D], [H, T, D])")
-    if Q.shape[1] < 1 or K.shape[1] < 1:
-        raise ValueError(f"need at least one query and one key, got Q {tuple(Q.shape)}, K {tuple(K.shape)}")
 
 
 def _check_budgets(budgets: object, H: int, T: int, device: torch.device) -> torch.Tensor:
@@ -485,8 +455,8 @@ def omp_on_mass(
     """
     if not isinstance(config, OMPConfig):
         raise TypeError(f"config must be an OMPConfig, got {type(config).__name__}")
-    _check_tensor("E", E, 3)
-    _check_tensor("target", target, 2)
+    check_float(E, "E", 3)
+    check_float(target, "target", 2)
     H, n, T = E.shape
     if target.shape != (H, n):
         raise ValueError(f"target must have shape [{H}, {n}] to match E {tuple(E.shape)}, got {tuple(target.shape)}")
@@ -538,8 +508,8 @@ def omp_select(
     """
     if not isinstance(config, OMPConfig):
         raise TypeError(f"config must be an OMPConfig, got {type(config).__name__}")
-    _check_qk(Q, K)
-    scaling = _check_scaling(scaling)
+    check_qk(Q, K)
+    scaling = check_scaling(scaling)
     budgets = _check_budgets(budgets, K.shape[0], K.shape[1], K.device)
     return _omp_select(Q, K, budgets, scaling, config)
 
@@ -592,8 +562,8 @@ def ha_select(
     lowest index) and their mass weights. Same outputs as :func:`omp_select`."""
     if not isinstance(config, HAConfig):
         raise TypeError(f"config must be an HAConfig, got {type(config).__name__}")
-    _check_qk(Q, K)
-    scaling = _check_scaling(scaling)
+    check_qk(Q, K)
+    scaling = check_scaling(scaling)
     budgets = _check_budgets(budgets, K.shape[0], K.shape[1], K.device)
     return _ha_select(Q, K, budgets, scaling, config)
 
@@ -642,11 +612,11 @@ def am_compact(
     """
     if variant not in _VARIANTS:
         raise ValueError(f"variant must be one of {sorted(_VARIANTS)}, got {variant!r}")
-    _check_qk(Q, K)
-    _check_tensor("V", V, 3)
+    check_qk(Q, K)
+    check_float(V, "V", 3)
     if V.shape[:2] != K.shape[:2]:
         raise ValueError(f"V {tuple(V.shape)} must match K {tuple(K.shape)} in heads and length")
-    scaling = _check_scaling(scaling)
+    scaling = check_scaling(scaling)
     budgets = _check_budgets(budgets, K.shape[0], K.shape[1], K.device)
     if variant == "ha":
         idx, valid, w = _ha_select(Q, K, budgets, scaling, AM_HA)

@@ -13,7 +13,7 @@ reference-query rows blockwise, so an ``[H, n, T]`` tensor is never materialised
 - :func:`topk_anchors` and :func:`chunked_topk_anchors` pick the anchor set
   (paper Eq. (persistent_support) and App. "KV-Based Chunking").
 
-The small ``_check_*`` helpers at the top are shared with ``merge`` and ``fit``.
+Input checks live in :mod:`.checks`.
 """
 
 from __future__ import annotations
@@ -24,100 +24,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checks import (
+    check_float,
+    check_positive_int,
+    check_qk,
+    check_ratio,
+    check_scaling,
+    check_tensor,
+    check_values,
+    compute_dtype,
+    row_blocks,
+)
+
 POOLINGS = ("rms", "mean", "max")
-
-# --------------------------------------------------------------------------------------
-# shared validation helpers (also imported by merge.py and fit.py)
-# --------------------------------------------------------------------------------------
-
-
-def _check_tensor(x: torch.Tensor, name: str, ndim: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
-
-
-def _check_float(x: torch.Tensor, name: str, ndim: int) -> None:
-    _check_tensor(x, name, ndim)
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
-    if not all_finite(x):
-        raise ValueError(f"{name} contains NaN or inf")
-
-
-def _hidden_slots(valid: torch.Tensor) -> torch.Tensor | None:
-    """``~valid [H, 1, t]`` for masking ``[H, rows, t]`` blocks, or None when every slot is valid (no
-    masking pass)."""
-    return None if bool(valid.all()) else ~valid[:, None, :]
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """No NaN or inf in ``x``: its minimum and maximum (one pass, NaN propagates) are finite."""
-    if x.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(x)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
-def _check_scaling(scaling: float) -> float:
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-        raise TypeError(f"scaling must be a python float, got {type(scaling).__name__}")
-    if not math.isfinite(scaling) or scaling <= 0:
-        raise ValueError(f"scaling must be finite and > 0, got {scaling}")
-    return float(scaling)
-
-
-def _check_positive_int(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
-def _check_qk(Q: torch.Tensor, K: torch.Tensor) -> None:
-    """Q ``[H, n, D]`` and K ``[H, T, D]`` with matching heads, head dim and device."""
-    _check_float(Q, "Q", 3)
-    _check_float(K, "K", 3)
-    if Q.shape[0] != K.shape[0] or Q.shape[2] != K.shape[2]:
-        raise ValueError(f"Q {tuple(Q.shape)} and K {tuple(K.shape)} must share H and D")
-    if Q.shape[1] < 1 or K.shape[1] < 1:
-        raise ValueError(f"need at least one query row and one key, got Q {tuple(Q.shape)}, K {tuple(K.shape)}")
-    if Q.device != K.device:
-        raise ValueError(f"Q on {Q.device} but K on {K.device}")
-
-
-def _check_values(V: torch.Tensor, K: torch.Tensor, name: str = "V") -> None:
-    _check_float(V, name, 3)
-    if V.shape[:2] != K.shape[:2]:
-        raise ValueError(f"{name} {tuple(V.shape)} must match K {tuple(K.shape)} on [H, T]")
-    if V.device != K.device:
-        raise ValueError(f"{name} on {V.device} but K on {K.device}")
-
-
-def _check_valid(valid: torch.Tensor | None, H: int, t: int, device: torch.device) -> torch.Tensor:
-    """Return a bool ``[H, t]`` mask (all True when ``valid`` is None)."""
-    if valid is None:
-        return torch.ones(H, t, dtype=torch.bool, device=device)
-    _check_tensor(valid, "valid", 2)
-    if valid.dtype != torch.bool:
-        raise TypeError(f"valid must be a bool tensor, got {valid.dtype}")
-    if tuple(valid.shape) != (H, t):
-        raise ValueError(f"valid must have shape {(H, t)}, got {tuple(valid.shape)}")
-    if valid.device != device:
-        raise ValueError(f"valid on {valid.device} but expected {device}")
-    return valid
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """float64 if any input is float64, else float32 (bf16/fp16 are upcast)."""
-    return torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
-
-
-def _row_blocks(n: int, block_rows: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, n, block_rows):
-        yield start, min(start + block_rows, n)
 
 
 def _check_pooling(pooling: str) -> str:
@@ -150,7 +69,7 @@ class RowPool:
 
     def update(self, block: torch.Tensor, inplace: bool = False) -> None:
         """Add a row block ``[H, b, T]``; ``inplace`` lets ``rms`` square the block in place."""
-        _check_tensor(block, "row block", 3)
+        check_tensor(block, "row block", 3)
         if self.acc is not None and block.shape[::2] != self.acc.shape:
             raise ValueError(f"row block {tuple(block.shape)} does not match pooled shape {tuple(self.acc.shape)}")
         if self.pooling == "max":
@@ -193,10 +112,10 @@ def pool_logits(logits_blocks: Iterable[torch.Tensor], pooling: str = "rms") -> 
     """
     def probs() -> Iterator[torch.Tensor]:
         for block in logits_blocks:
-            _check_tensor(block, "logits block", 3)
+            check_tensor(block, "logits block", 3)
             if torch.isnan(block).any():
                 raise ValueError("logits block contains NaN")
-            yield torch.softmax(block.to(_compute_dtype(block)), dim=-1)
+            yield torch.softmax(block.to(compute_dtype(block)), dim=-1)
 
     return pool_probs(probs(), pooling)
 
@@ -211,9 +130,9 @@ def pooled_softmax_scores(
 
     Only one block of ``block_rows`` rows is alive at a time.
     """
-    _check_positive_int(n_rows, "n_rows")
-    _check_positive_int(block_rows, "block_rows")
-    return pool_logits((logit_fn(a, b) for a, b in _row_blocks(n_rows, block_rows)), pooling)
+    check_positive_int(n_rows, "n_rows")
+    check_positive_int(block_rows, "block_rows")
+    return pool_logits((logit_fn(a, b) for a, b in row_blocks(n_rows, block_rows)), pooling)
 
 
 # --------------------------------------------------------------------------------------
@@ -229,10 +148,10 @@ def ha_scores(
     s^HA_j = sqrt(mean_i p_ij^2) with p_ij = softmax_j(scaling * q_i . k_j) (``rms``, paper
     Eq. (background_value_selectors)); ``mean`` and ``max`` pool p_ij by mean / max instead.
     """
-    _check_qk(Q, K)
-    scaling = _check_scaling(scaling)
+    check_qk(Q, K)
+    scaling = check_scaling(scaling)
     _check_pooling(pooling)
-    cd = _compute_dtype(Q, K)
+    cd = compute_dtype(Q, K)
     Kc = K.to(cd)
 
     def logits(a: int, b: int) -> torch.Tensor:
@@ -297,18 +216,18 @@ def vi_scores(
     D_ij / sqrt(||O_i||^2 + eps) by mean / max. The p_ij -> 1 limit is handled exactly
     (see :func:`value_influence`). Computed in float32 (float64 for float64 inputs).
     """
-    _check_qk(Q, K)
-    _check_values(V, K)
-    scaling = _check_scaling(scaling)
+    check_qk(Q, K)
+    check_values(V, K)
+    scaling = check_scaling(scaling)
     _check_pooling(pooling)
     if not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps must be finite and > 0, got {eps}")
-    _check_positive_int(block_rows, "block_rows")
-    cd = _compute_dtype(Q, K, V)
+    check_positive_int(block_rows, "block_rows")
+    cd = compute_dtype(Q, K, V)
     Kc, Vf = K.to(cd), V.to(cd)
     Vc = Vf - Vf.mean(dim=1, keepdim=True)
     pool = RowPool(pooling)
-    for a, b in _row_blocks(Q.shape[1], block_rows):
+    for a, b in row_blocks(Q.shape[1], block_rows):
         Lb = scaling * (Q[:, a:b].to(cd) @ Kc.transpose(1, 2))
         pool.update(value_influence(Lb, Vf, eps, Vc))
     return pool.result()
@@ -336,20 +255,17 @@ def per_head_budgets(
     exactly floor(ratio * T) despite rounding in a * |P|. The realised total may differ from
     |P| * ratio * T because of flooring and clipping (the paper says so).
     """
-    _check_positive_int(T, "T")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise TypeError(f"ratio must be a float, got {type(ratio).__name__}")
-    if not (math.isfinite(ratio) and 0.0 < ratio <= 1.0):
-        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    check_positive_int(T, "T")
+    ratio = check_ratio(ratio)
     if weights is None:
         if num_layers is None or num_heads is None:
             raise ValueError("num_layers and num_heads are required when weights is None")
-        _check_positive_int(num_layers, "num_layers")
-        _check_positive_int(num_heads, "num_heads")
+        check_positive_int(num_layers, "num_layers")
+        check_positive_int(num_heads, "num_heads")
         a = torch.full((num_layers, num_heads), 1.0, dtype=torch.float64)
         device = torch.device("cpu")
     else:
-        _check_tensor(weights, "weights", 2)
+        check_tensor(weights, "weights", 2)
         L, H = weights.shape
         if (num_layers is not None and num_layers != L) or (num_heads is not None and num_heads != H):
             raise ValueError(
@@ -396,13 +312,10 @@ def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1, mi
             the floor; ``None``: no cap). Positions a capped head would have taken go to the next
             best positions of the other heads, so the total is unchanged while any head has room.
     """
-    _check_float(scores, "scores", 3)
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise TypeError(f"ratio must be a float, got {type(ratio).__name__}")
-    if not (math.isfinite(ratio) and 0.0 < ratio <= 1.0):
-        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    check_float(scores, "scores", 3)
+    ratio = check_ratio(ratio)
     L, H, T = scores.shape
-    _check_positive_int(T, "T")
+    check_positive_int(T, "T")
     if not 1 <= min_per_head <= T:
         raise ValueError(f"min_per_head must be in [1, T={T}], got {min_per_head}")
     if not 0.0 <= min_fraction <= 1.0:
@@ -434,7 +347,7 @@ def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1, mi
 
 
 def _check_scores_budgets(scores: torch.Tensor, budgets) -> torch.Tensor:
-    _check_float(scores, "scores", 2)
+    check_float(scores, "scores", 2)
     H, T = scores.shape
     budgets = torch.as_tensor(budgets, device=scores.device)
     if budgets.dtype.is_floating_point or budgets.dtype == torch.bool:
@@ -492,7 +405,7 @@ def chunked_topk_anchors(
     as :func:`topk_anchors`, positions ascending.
     """
     budgets = _check_scores_budgets(scores, budgets)
-    _check_positive_int(chunk_len, "chunk_len")
+    check_positive_int(chunk_len, "chunk_len")
     if isinstance(min_length, bool) or not isinstance(min_length, int) or min_length < 0:
         raise ValueError(f"min_length must be an int >= 0, got {min_length}")
     H, T = scores.shape

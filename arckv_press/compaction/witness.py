@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .merge import check_anchor_inputs, check_anchors
-from .select import _check_positive_int, _compute_dtype, _row_blocks
+from .checks import check_positive_int, compute_dtype, row_blocks
 
 __all__ = ["anchor_witnesses", "block_witnesses", "fit_positions_with_witnesses", "head_fit_rows"]
 
@@ -44,11 +44,11 @@ def anchor_witnesses(
     """
     scaling, valid = check_anchor_inputs(Q, K, anchors, valid, scaling, block_rows)
     cols = torch.where(valid, anchors.long(), 0)
-    cd = _compute_dtype(Q, K)
+    cd = compute_dtype(Q, K)
     Kt = K.to(cd).transpose(1, 2)
     best = torch.full(cols.shape, -torch.inf, dtype=cd, device=K.device)
     rows = torch.zeros(cols.shape, dtype=torch.long, device=K.device)
-    for lo, hi in _row_blocks(Q.shape[1], block_rows):
+    for lo, hi in row_blocks(Q.shape[1], block_rows):
         logp = torch.log_softmax((Q[:, lo:hi].to(cd) * scaling) @ Kt, dim=-1)    # [H, b, T]
         at = logp.gather(2, cols[:, None, :].expand(-1, hi - lo, -1))           # [H, b, t]
         val, arg = at.max(dim=1)                                                  # first max in block
@@ -75,7 +75,7 @@ def fit_positions_with_witnesses(
     valid anchor's witness (:func:`anchor_witnesses`) over all KV heads. Gather the rows with
     :func:`~arckv_press.compaction.reference.grouped_rows`.
     """
-    _check_positive_int(group_size, "group_size")
+    check_positive_int(group_size, "group_size")
     n = Q.shape[1]
     if n % group_size:
         raise ValueError(f"the pool has {n} rows per KV head, not a multiple of group_size={group_size}")
@@ -120,8 +120,8 @@ def block_witnesses(
     log p = scaling q . k - lse; ties go to the lowest position, then the lowest query head. One
     small matmul per (KV head, block) that holds anchors: no copy of the candidate rows per anchor.
     """
-    _check_positive_int(group_size, "group_size")
-    _check_positive_int(block, "block")
+    check_positive_int(group_size, "group_size")
+    check_positive_int(block, "block")
     H, n, D = Q.shape
     G, N = group_size, n // group_size
     Qp, lse = Q.view(H, G, N, D), row_lse.view(H, G, N)

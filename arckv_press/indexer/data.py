@@ -315,7 +315,7 @@ def compute_pool(model: Any, tokenizer: Any, text: str, settings: PoolSettings =
     file (module docstring). Every full-attention layer is captured."""
     from transformers import DynamicCache
 
-    from arckv_press.api import encode_document
+    from arckv_press.capture import encode_document
     from arckv_press.capture import decoder_layers, framing_for, prefill, repeat_prefill
     from arckv_press.compaction.reference import group_queries_by_kv_head, mix_sources
     from arckv_press.models import describe_attention_layout

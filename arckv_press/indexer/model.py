@@ -39,7 +39,7 @@ Implementation choices not fixed by the paper (documented deviations):
   head weights are ~1 and do not depend on ``x``. The copies are not tied during training.
 
 Optional residual form (``IndexerConfig.base_logit_scale``; not in the paper; the form of the
-checkpoint shipped for the default model since 2026-11-26, README "Anchor selectors"): the logit becomes ``I_ij + s_0 * q_i . k_j``, the base model's own attention logit
+checkpoint shipped for the default model, ``docs/indexer.md``): the logit becomes ``I_ij + s_0 * q_i . k_j``, the base model's own attention logit
 plus the learned score. With ``init_std_x = init_bias_x = 0`` every head weight ``w_ia`` starts at
 0, so ``softmax_j(I_ij)`` is the model's attention and the pooled scores are exactly the
 training-free HA scores (tested); training then learns a value-aware correction of HA instead of
@@ -309,8 +309,7 @@ def pair_logits(qbar: Tensor, kbar: Tensor, w: Tensor, slope: float = 0.1) -> Te
     ``qbar [H, n, H_I, d_I]``, ``kbar [H, T, H_I, d_I]``, ``w [H, n, H_I]``; one batched matmul
     over (KV head, index head), then the weighted sum over index heads as ``H_I`` multiply-adds
     on ``[H, n, T]`` (in place when autograd is off: the ``[H, H_I, n, T]`` scores are the
-    largest tensor of anchor selection, and an einsum over them made a permuted copy; measured
-    about 6x faster on this CPU).
+    largest tensor of anchor selection, and an einsum over them made a permuted copy).
     """
     d_I = qbar.shape[-1]
     s = (qbar * d_I ** -0.5).permute(0, 2, 1, 3) @ kbar.permute(0, 2, 3, 1)  # [H, H_I, n, T]

@@ -24,8 +24,7 @@ settings); resuming or merging with other settings is refused instead of mixing 
 
 Threads: ``torch.set_num_threads(1)`` per training process (``--threads``). The per-step
 tensors are small (``[3, n, T]`` with ``n`` ~ 10^3); intra-op threading of such ops costs more
-in synchronisation than it gains (measured ~40x slower per small step with the default thread
-count on the shared 2-core machine). Use one process per core instead (two layer shards on two
+in synchronisation than it gains. Use one process per core instead (two layer shards on two
 cores).
 
 Default hyperparameters (``TrainConfig`` fields overridable on the command line). The paper's

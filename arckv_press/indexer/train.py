@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from arckv_press.compaction.checks import check_ratio
 from arckv_press.compaction.fit import FitConfig, compact_attention, fit_beta, fit_values, full_attention
 from arckv_press.compaction.reference import split_episode
 
@@ -258,8 +259,7 @@ class TrainResult:
 def budget_for_ratio(ratio: float, T: int) -> int:
     """Training budget ``t = max(1, ceil(rho * T))`` (paper Sec. 3.5). A 1e-9 tolerance keeps
     float products such as ``0.1 * 30`` from rounding up."""
-    if not 0 < ratio <= 1:
-        raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+    check_ratio(ratio)
     if T < 1:
         raise ValueError(f"T must be positive, got {T}")
     return max(1, math.ceil(ratio * T - 1e-9))

@@ -6,12 +6,14 @@ Three ways to use it (lm-eval 0.4.13):
 
        HF_HUB_OFFLINE=1 lm_eval --model hf-arckv \\
            --model_args press=arckv-ha,ratio=0.1,dtype=float32 \\
-           --tasks quality --include_path tasks --device cpu --output_path results/
+           --tasks quality --device cpu --output_path results/
 
-   The name resolves through a start-up hook: the installed ``arckv_press_lm_eval.pth`` imports
+   The names resolve through a start-up hook: the installed ``arckv_press_lm_eval.pth`` imports
    the tiny ``_arckv_press_lm_eval_hook`` module (a copy of :mod:`._pth_hook`), which registers
-   ``hf-arckv`` lazily when lm-eval imports its registry (nothing else is imported at start-up).
-   Opt out with ``ARCKV_LM_EVAL_NO_HOOK=1``.
+   ``hf-arckv`` lazily when lm-eval imports its registry and adds the package's task folder to
+   every ``TaskManager`` (nothing else is imported at start-up). The package's ``quality``,
+   ``ruler`` and ``longbench`` tasks then override lm-eval's built-ins of the same names. Opt out
+   with ``ARCKV_LM_EVAL_NO_HOOK=1`` (everything) or ``ARCKV_LM_EVAL_NO_TASKS=1`` (tasks only).
 
 2. The console script ``arckv-lm-eval`` (same arguments as ``lm_eval``; registers the model,
    adds ``--include_path <repo>/tasks`` when the repository's task folder is present and no
@@ -50,7 +52,6 @@ Importing this package is cheap (no torch, no lm-eval): the model class is loade
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from . import _pth_hook
@@ -58,7 +59,11 @@ from . import _pth_hook
 MODEL_NAME = "hf-arckv"
 MODEL_TARGET = "arckv_press.lm_eval.model:HFArcKV"
 
-__all__ = ["MODEL_NAME", "MODEL_TARGET", "HFArcKV", "register", "on_registry_imported"]
+#: set to 1 to keep lm-eval's TaskManager to its own tasks and ``--include_path`` (no package tasks)
+NO_TASKS_ENV = "ARCKV_LM_EVAL_NO_TASKS"
+
+__all__ = ["MODEL_NAME", "MODEL_TARGET", "NO_TASKS_ENV", "HFArcKV", "register", "on_registry_imported",
+           "on_task_manager_imported", "tasks_dir"]
 
 
 def on_registry_imported(registry_module: Any) -> None:
@@ -74,6 +79,44 @@ def on_registry_imported(registry_module: Any) -> None:
     import lm_eval.models  # noqa: F401  (registers "hf", "vllm", ... as lazy placeholders)
 
 
+def tasks_dir() -> str:
+    """The folder of the package's task YAMLs (``arckv_press.tasks``: ``tasks/`` in a checkout)."""
+    from arckv_press.tasks import TASKS_DIR
+
+    return str(TASKS_DIR)
+
+
+def on_task_manager_imported(manager_module: Any) -> None:
+    """Make every ``lm_eval.tasks.TaskManager`` index the package's tasks (idempotent).
+
+    lm-eval indexes its built-in folder first and then ``include_path`` in order, later folders
+    overriding earlier ones. The package's folder is put first in ``include_path``, so ``quality``,
+    ``ruler``, ``longbench`` and their subtasks are always the package's versions (lm-eval logs each
+    override), while a folder the user passes still overrides them. ``ARCKV_LM_EVAL_NO_TASKS=1``
+    turns this off (lm-eval's own ``ruler`` and ``longbench`` come back).
+    """
+    import functools
+    import os
+
+    cls = manager_module.TaskManager
+    if getattr(cls.__init__, "_arckv_tasks", False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, verbosity=None, include_path=None, include_defaults=True, metadata=None):
+        if os.environ.get(NO_TASKS_ENV, "") in ("", "0"):
+            paths = include_path if isinstance(include_path, (list, tuple)) else [include_path]
+            paths = [p for p in paths if p is not None]
+            ours = tasks_dir()
+            if not any(os.path.realpath(p) == ours for p in paths):
+                include_path = [ours, *paths]
+        original(self, verbosity, include_path, include_defaults, metadata)
+
+    __init__._arckv_tasks = True
+    cls.__init__ = __init__
+
+
 def register() -> None:
     """Register ``hf-arckv`` in lm-eval's model registry now (imports ``lm_eval.api.registry``)."""
     import lm_eval.api.registry as registry_module
@@ -82,11 +125,7 @@ def register() -> None:
 
 
 def _activate() -> None:
-    registry_module = sys.modules.get(_pth_hook.REGISTRY_MODULE)
-    if registry_module is not None and hasattr(registry_module, "model_registry"):
-        on_registry_imported(registry_module)
-    else:
-        _pth_hook.install()
+    _pth_hook.install()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,21 +1,26 @@
-"""Start-up hook that registers the ``hf-arckv`` lm-eval model when lm-eval loads its registry.
+"""Start-up hook that plugs arckv-press into lm-eval: the ``hf-arckv`` model and the package's tasks.
 
-lm-eval 0.4.13 ignores entry points for models, so ``lm_eval --model hf-arckv`` can only resolve
-the name if something registers it in ``lm_eval.api.registry.model_registry`` first. This module
-installs a one-shot meta-path finder: the first time ``lm_eval.api.registry`` is imported, the
-finder lets the normal machinery load it and then calls
-:func:`arckv_press.lm_eval.on_registry_imported`, which registers ``hf-arckv`` as a *lazy*
-``"module:Class"`` placeholder (nothing heavy is imported until lm-eval asks for the model).
+lm-eval 0.4.13 has no plugin mechanism for models or tasks: ``lm_eval --model hf-arckv`` resolves
+only if something registers the name in ``lm_eval.api.registry.model_registry`` first, and
+``--tasks quality`` finds only the built-in task folder plus ``--include_path``. This module
+installs a one-shot meta-path finder that watches two lm-eval modules. When one of them is first
+imported, the finder lets the normal machinery load it and then hands it to the package:
+
+- ``lm_eval.api.registry`` -> :func:`arckv_press.lm_eval.on_registry_imported`, which registers
+  ``hf-arckv`` as a *lazy* ``"module:Class"`` placeholder (nothing heavy is imported until lm-eval
+  asks for the model);
+- ``lm_eval.tasks.manager`` -> :func:`arckv_press.lm_eval.on_task_manager_imported`, which makes
+  every ``TaskManager`` also index the package's task folder (``arckv_press.tasks``).
 
 It is loaded in two ways:
 
 - at interpreter start-up, through the ``arckv_press_lm_eval.pth`` file that the build step
   (:mod:`arckv_press.lm_eval._build`) installs next to a copy of this file named
   ``_arckv_press_lm_eval_hook.py`` in ``site-packages``;
-- by ``import arckv_press.lm_eval`` (when lm-eval's registry is not imported yet).
+- by ``import arckv_press.lm_eval`` (for the modules lm-eval has not imported yet).
 
 Start-up cost: importing this file (standard library only: ``sys``) and putting one object in
-``sys.meta_path``; afterwards one cheap string comparison per import. Set the environment
+``sys.meta_path``; afterwards one cheap dictionary lookup per import. Set the environment
 variable ``ARCKV_LM_EVAL_NO_HOOK=1`` to disable the start-up hook.
 
 This file must stay self-contained (no imports from ``arckv_press``, no relative imports) because
@@ -25,33 +30,44 @@ it is copied verbatim into ``site-packages``.
 import sys
 
 REGISTRY_MODULE = "lm_eval.api.registry"
+TASK_MANAGER_MODULE = "lm_eval.tasks.manager"
+#: watched module -> (attribute that shows it finished executing, callback in arckv_press.lm_eval)
+TARGETS = {
+    REGISTRY_MODULE: ("model_registry", "on_registry_imported"),
+    TASK_MANAGER_MODULE: ("TaskManager", "on_task_manager_imported"),
+}
 DISABLE_ENV = "ARCKV_LM_EVAL_NO_HOOK"
 
 
-def _notify(module) -> None:
-    """Hand the freshly executed registry module to the package (which registers ``hf-arckv``)."""
+def _notify(name, module) -> None:
+    """Hand the freshly executed lm-eval module ``name`` to the package."""
+    callback = TARGETS[name][1]
     try:
-        from arckv_press.lm_eval import on_registry_imported
+        import arckv_press.lm_eval as package
+
+        function = getattr(package, callback)
     except Exception as exc:  # noqa: BLE001 - arckv-press uninstalled/broken: lm-eval must still work
         import warnings
 
-        warnings.warn(f"arckv-press: cannot register the 'hf-arckv' lm-eval model ({exc!r})", stacklevel=2)
+        warnings.warn(f"arckv-press: cannot plug into lm-eval ({exc!r})", stacklevel=2)
         return
-    on_registry_imported(module)
+    function(module)
 
 
-class RegistryImportHook:
-    """One-shot meta-path finder: runs :func:`_notify` right after ``lm_eval.api.registry`` executes.
+class LmEvalImportHook:
+    """One-shot meta-path finder: runs :func:`_notify` right after each watched module executes.
 
     ``find_spec`` finds the real spec with the remaining finders and wraps its loader's
-    ``exec_module``; it never changes what is imported.
+    ``exec_module``; it never changes what is imported. It leaves ``sys.meta_path`` once every
+    watched module has been seen.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pending) -> None:
+        self.pending = set(pending)
         self._searching = False
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != REGISTRY_MODULE or self._searching:
+        if fullname not in self.pending or self._searching:
             return None
         import importlib.util
 
@@ -67,8 +83,10 @@ class RegistryImportHook:
 
         def exec_module(module):
             original(module)
-            hook.uninstall()
-            _notify(module)
+            hook.pending.discard(fullname)
+            if not hook.pending:
+                hook.uninstall()
+            _notify(fullname, module)
 
         spec.loader.exec_module = exec_module  # this loader instance serves this one spec only
         return spec
@@ -80,21 +98,21 @@ class RegistryImportHook:
 
 def installed() -> bool:
     """True when a hook is waiting in ``sys.meta_path``."""
-    return any(type(f).__name__ == "RegistryImportHook" for f in sys.meta_path)
+    return any(type(f).__name__ == "LmEvalImportHook" for f in sys.meta_path)
 
 
 def install() -> None:
-    """Install the hook unless lm-eval's registry is already imported or a hook is waiting.
-
-    When the registry is already imported, it is handed to the package at once.
-    """
-    registry = sys.modules.get(REGISTRY_MODULE)
-    if registry is not None:
-        if hasattr(registry, "model_registry"):
-            _notify(registry)
-        return
-    if not installed():
-        sys.meta_path.insert(0, RegistryImportHook())
+    """Hand the watched modules lm-eval already imported to the package at once, and install the
+    hook for the others (unless a hook is already waiting)."""
+    pending = []
+    for name, (attribute, _) in TARGETS.items():
+        module = sys.modules.get(name)
+        if module is None:
+            pending.append(name)
+        elif hasattr(module, attribute):
+            _notify(name, module)
+    if pending and not installed():
+        sys.meta_path.insert(0, LmEvalImportHook(pending))
 
 
 def _startup() -> None:

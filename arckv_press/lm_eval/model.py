@@ -75,7 +75,6 @@ import hashlib
 import json
 from array import array
 import logging
-import math
 import os
 import sys
 import time
@@ -92,6 +91,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from tqdm import tqdm
 
 from arckv_press.cache import cache_nbytes, cache_snapshot, restore_cache
+from arckv_press.compaction.checks import check_ratio
 from arckv_press.lm_eval import MODEL_NAME
 
 logger = logging.getLogger(__name__)
@@ -323,8 +323,7 @@ class HFArcKV(HFLM):
         press = str(press)
         if press not in METHODS:
             raise ValueError(f"hf-arckv: unknown press {press!r}; valid presses: {', '.join(METHODS)}")
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0.0 < ratio <= 1.0:
-            raise ValueError(f"hf-arckv: ratio is the kept fraction and must be in (0, 1], got {ratio!r}")
+        check_ratio(ratio)
         if isinstance(max_cached_docs, bool) or not isinstance(max_cached_docs, int) or max_cached_docs < 1:
             raise ValueError(f"hf-arckv: max_cached_docs must be an int >= 1, got {max_cached_docs!r}")
         drop_document = _as_bool(drop_document, "drop_document")

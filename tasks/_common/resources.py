@@ -1,4 +1,4 @@
-"""Shared helpers of the task families: local data locations, tokenizer loading, module loading.
+"""Shared helpers of the task families: local data locations and tokenizer loading.
 
 Data locations (one environment variable per family; see ``tasks/README.md``):
 
@@ -7,8 +7,9 @@ Data locations (one environment variable per family; see ``tasks/README.md``):
   ``squad/*.json`` and ``hotpotqa/*.json``;
 - ``ARCKV_LONGBENCH_DIR``: a folder with ``data/<task>.jsonl`` and ``config/*.json``.
 
-When a variable is unset, ``<repo>/../shared/data/<family>`` is used if it exists, else the task
-falls back to the Hugging Face Hub. A variable that is set but points nowhere is an error (never a
+When a variable is unset and the package runs from a source checkout (``tasks/`` next to
+``pyproject.toml``), ``<repo>/../shared/data/<family>`` is used if it exists; otherwise the task
+falls back to the Hugging Face Hub. An installed package never looks outside its own folder. A variable that is set but points nowhere is an error (never a
 silent fallback).
 
 Tokenizer (RULER sizing, LongBench truncation): the name in the lm-eval metadata key
@@ -19,17 +20,17 @@ neither is given.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from functools import lru_cache
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-TASKS_DIR = Path(__file__).resolve().parents[1]
-REPO_ROOT = TASKS_DIR.parent
-SHARED_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+from arckv_press.tasks import TASKS_DIR
+
+#: the source checkout holding ``tasks/``, or ``None`` for an installed package
+REPO_ROOT = TASKS_DIR.parent if (TASKS_DIR.parent / "pyproject.toml").is_file() else None
+#: the development data folder of a checkout (``None`` when installed)
+SHARED_DATA_DIR = None if REPO_ROOT is None else REPO_ROOT.parent / "shared" / "data"
 
 QUALITY_ENV = "ARCKV_QUALITY_PATH"
 RULER_ENV = "ARCKV_RULER_DATA"
@@ -42,43 +43,17 @@ __all__ = [
     "REPO_ROOT",
     "SHARED_DATA_DIR",
     "TASKS_DIR",
-    "load_local_module",
     "load_tokenizer",
     "resolve_local_path",
     "tokenizer_name_from_metadata",
 ]
 
 
-def load_local_module(relative_path: str) -> ModuleType:
-    """Import a helper module of ``tasks/`` by file path (``tasks/`` is not a Python package).
-
-    lm-eval itself loads ``utils.py`` files by path, so sibling modules are loaded the same way,
-    under a stable private name (``arckv_tasks.<dir>.<module>``) cached in ``sys.modules``.
-    """
-    path = (TASKS_DIR / relative_path).resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"task helper module not found: {path}")
-    name = "arckv_tasks." + ".".join(path.relative_to(TASKS_DIR).with_suffix("").parts)
-    module = sys.modules.get(name)
-    if module is not None and getattr(module, "__file__", None) == str(path):
-        return module
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load task helper module {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
-
 
 def resolve_local_path(env_var: str, default_relative: str, must_be_dir: bool) -> Path | None:
     """Local data path for a family, or ``None`` (meaning: use the Hugging Face Hub).
 
-    Order: ``$env_var`` (must exist, else ``FileNotFoundError``), then
+    Order: ``$env_var`` (must exist, else ``FileNotFoundError``), then, in a source checkout,
     ``SHARED_DATA_DIR / default_relative`` if it exists, then ``None``.
     """
     value = os.environ.get(env_var)
@@ -89,6 +64,8 @@ def resolve_local_path(env_var: str, default_relative: str, must_be_dir: bool) -
             kind = "folder" if must_be_dir else "file"
             raise FileNotFoundError(f"${env_var} = {value!r} is not an existing {kind}")
         return path
+    if SHARED_DATA_DIR is None:
+        return None
     default = SHARED_DATA_DIR / default_relative
     ok = default.is_dir() if must_be_dir else default.is_file()
     return default if ok else None

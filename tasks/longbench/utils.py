@@ -20,29 +20,14 @@ Scoring: ``metrics.score_prediction`` (official metric, post-processing and max 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
-_TASKS_DIR = Path(__file__).resolve().parents[1]
-
-
-def _bootstrap() -> Any:
-    name = "arckv_tasks._common.resources"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _TASKS_DIR / "_common" / "resources.py")
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules[name] = module
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules[name]
-
-
-resources = _bootstrap()
-markers = resources.load_local_module("_common/doc_markers.py")
-metrics = resources.load_local_module("longbench/metrics.py")
+from arckv_press.tasks._common import doc_markers as markers
+from arckv_press.tasks._common import resources
+from arckv_press.tasks.longbench import metrics
 
 eval_logger = logging.getLogger(__name__)
 

@@ -14,28 +14,12 @@ Tasks: ``quality`` scores the four option texts by log-likelihood (acc, acc_norm
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
-_TASKS_DIR = Path(__file__).resolve().parents[1]
-
-
-def _bootstrap() -> Any:
-    name = "arckv_tasks._common.resources"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _TASKS_DIR / "_common" / "resources.py")
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules[name] = module
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules[name]
-
-
-resources = _bootstrap()
-markers = resources.load_local_module("_common/doc_markers.py")
+from arckv_press.tasks._common import doc_markers as markers
+from arckv_press.tasks._common import resources
 
 HUB_DATA_FILES = "hf://datasets/L4NLP/LEval/LEval/Exam/quality.jsonl"
 LETTERS = ("A", "B", "C", "D")

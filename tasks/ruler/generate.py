@@ -50,24 +50,7 @@ from pathlib import Path
 from typing import Any
 
 
-
-def _load_doc_markers():
-    """``tasks/_common/doc_markers.py``, loaded by path (``tasks/`` is not a package)."""
-    import importlib.util
-    import sys
-
-    name = "arckv_tasks._common.doc_markers"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parents[1] / "_common" / "doc_markers.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[name] = module
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-wrap_document = _load_doc_markers().wrap_document
+from arckv_press.tasks._common.doc_markers import wrap_document
 
 __all__ = [
     "RulerData",

@@ -17,26 +17,10 @@ that length (``-1`` when there are none, lm-eval's RULER convention).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
-_TASKS_DIR = Path(__file__).resolve().parents[1]
-
-
-def _bootstrap() -> Any:
-    name = "arckv_tasks._common.resources"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _TASKS_DIR / "_common" / "resources.py")
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules[name] = module
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules[name]
-
-
-resources = _bootstrap()
-generate = resources.load_local_module("ruler/generate.py")
+from arckv_press.tasks._common import resources
+from arckv_press.tasks.ruler import generate
 
 DEFAULT_SEQ_LENGTHS = (4096,)
 DEFAULT_NUM_SAMPLES = 20

@@ -1,0 +1,150 @@
+"""The package's public surface: lazy top-level exports, and the wheel installed in a fresh venv."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import short_quality_file
+
+import arckv_press
+from arckv_press.lm_eval import _build
+
+
+def test_import_is_light():
+    """``import arckv_press`` loads neither torch nor transformers (the lm-eval start-up hook imports it)."""
+    code = "import sys, arckv_press; print(sorted(m for m in ('torch', 'transformers', 'kvpress') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", sorted(arckv_press._EXPORTS))
+def test_exports_are_the_defining_objects(name):
+    obj = getattr(arckv_press, name)
+    assert obj is getattr(importlib.import_module(arckv_press._EXPORTS[name]), name)
+    assert name in arckv_press.__all__ and name in dir(arckv_press)
+
+
+def test_documented_import_line():
+    from arckv_press import ARCKVPress, AttentionMatchingPress, CompactCache, compact, load_model  # noqa: F401
+
+    assert ARCKVPress.__module__ == "arckv_press.presses"
+
+
+def test_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'ARCKV'"):
+        arckv_press.ARCKV  # noqa: B018
+    with pytest.raises(ImportError):
+        exec("from arckv_press import not_a_name", {})
+
+
+def test_all_lists_exactly_the_exports():
+    assert set(arckv_press.__all__) == set(arckv_press._EXPORTS) | {"__version__"}
+
+
+# ----------------------------------------------------------------------------- the wheel
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(args, cwd, env=None, timeout=600):
+    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout, cwd=str(cwd),
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def installed_wheel(tmp_path_factory):
+    """A wheel built from a copy of the sources, installed into a fresh virtual environment (its
+    dependencies come from this interpreter's site-packages, never from an index)."""
+    root = tmp_path_factory.mktemp("wheel")
+    src = root / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for folder in ("arckv_press", "tasks"):
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", src, "-w", root / "dist"], root)
+    (wheel,) = (root / "dist").glob("*.whl")
+    _run([sys.executable, "-m", "venv", "--system-site-packages", root / "venv"], root)
+    python = root / "venv" / "bin" / "python"
+    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel], root)
+    work = root / "elsewhere"  # every command runs outside the checkout
+    work.mkdir()
+    return wheel, python, work
+
+
+@pytest.mark.wheel
+def test_wheel_contents(installed_wheel):
+    wheel, _, _ = installed_wheel
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        record = z.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
+        pth = z.read(_build.PTH_NAME).decode()
+    assert {_build.PTH_NAME, f"{_build.HOOK_MODULE}.py"} <= names and _build.PTH_NAME in record
+    assert pth == f"import {_build.HOOK_MODULE}\n"
+    tasks = {p.relative_to(REPO / "tasks").as_posix() for p in (REPO / "tasks").rglob("*")
+             if p.is_file() and "__pycache__" not in p.parts}
+    assert {f"arckv_press/tasks/{t}" for t in tasks} <= names  # every YAML, template and helper
+    assert any(n.startswith("arckv_press/indexer/weights/") for n in names)
+
+
+@pytest.mark.wheel
+def test_installed_package_imports_from_anywhere(installed_wheel):
+    _, python, work = installed_wheel
+    code = """
+import arckv_press, arckv_press.tasks
+from arckv_press import ARCKVPress, AttentionMatchingPress, compact, CompactCache, load_model
+from arckv_press.tasks._common import resources
+from arckv_press.tasks.ruler import utils
+print(arckv_press.__file__)
+print(arckv_press.tasks.__file__)
+print(resources.SHARED_DATA_DIR, resources.REPO_ROOT)
+"""
+    out = _run([python, "-c", code], work).split()
+    venv = str(python.parents[1])
+    assert out[0].startswith(venv) and out[1].startswith(venv)  # the wheel's copy, not the checkout
+    assert out[2:] == ["None", "None"]  # an installed package never reads ../shared/data
+
+
+@pytest.mark.wheel
+def test_stock_lm_eval_command_runs_from_the_wheel(installed_wheel, tmp_path):
+    """``lm_eval --model hf-arckv ... --tasks quality`` with no --include_path, data from
+    ARCKV_QUALITY_PATH, run outside the checkout (the plain ``lm_eval`` script of this
+    interpreter, through the installed start-up hook)."""
+    _, python, work = installed_wheel
+    data = short_quality_file(tmp_path / "quality.jsonl")
+    out = tmp_path / "results"
+    env = {"HF_HUB_OFFLINE": "1", "ARCKV_QUALITY_PATH": str(data), "OMP_NUM_THREADS": "1"}
+    _run([python, "-m", "lm_eval", "--model", "hf-arckv", "--model_args", "press=arckv-ha,ratio=0.1",
+          "--tasks", "quality", "--limit", "1", "--device", "cpu", "--output_path", out], work, env, timeout=900)
+    (result,) = out.rglob("results_*.json")
+    results = json.loads(result.read_text())
+    assert results["config"]["model"] == "hf-arckv"
+    assert results["n-samples"]["quality"] == {"original": 3, "effective": 1}
+    assert 0.0 <= results["results"]["quality"]["acc,none"] <= 1.0
+    # the task came from the installed package, and its article was compacted once
+    assert results["configs"]["quality"]["metadata"]["config_source"].startswith(str(python.parents[1]))
+    (records,) = out.glob("arckv_compaction_*arckv-ha_0.1.jsonl")
+    assert len(records.read_text().splitlines()) == 1
+
+
+def test_pyproject_lists_every_package():
+    """``pyproject.toml`` names the packages explicitly (the task folder is mapped): none may be missed."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"arckv_press.tasks": "tasks"}
+    found = set()
+    for root, prefix in ((REPO / "arckv_press", "arckv_press"), (REPO / "tasks", "arckv_press.tasks")):
+        for init in root.rglob("__init__.py"):
+            found.add(".".join([prefix, *init.parent.relative_to(root).parts]))
+    assert set(setuptools["packages"]) == found
