@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from arckv_press.presses import ARCKVPress, AttentionMatchingPress, kept_to_compression, resolve_kept_ratio
 
 __all__ = ["METHODS", "METHOD_NAMES", "MethodSpec", "make_press", "describe_methods", "prefill_with_press", "indexer_id",
-           "method_config_id", "result_ids"]
+           "method_config_id", "result_ids", "press_options"]
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,21 @@ def make_press(name: str, ratio: float, **options: Any) -> BasePress | None:
                 f"{sorted(accepted - fixed)}"
             )
     return spec.build(ratio, **options)
+
+
+def press_options(name: str, config_options: dict[str, Any] | None) -> dict[str, Any]:
+    """The press arguments of method ``name`` that set the :class:`~arckv_press.api.CompactionConfig`
+    fields ``config_options`` (the scripts' ``--option``): a field the press takes as an argument
+    (e.g. ``lambda_m``) is passed as one, the others in its ``config_options``. ``{}`` for methods
+    that are not ours (kvpress presses and ``none`` take no compaction options)."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_NAMES)}")
+    if not METHODS[name].ours or not config_options:
+        return {}
+    arguments = {f.name for f in dataclasses.fields(METHODS[name].build.press_class) if f.init} - {"config_options"}
+    direct = {k: v for k, v in config_options.items() if k in arguments}
+    rest = {k: v for k, v in config_options.items() if k not in arguments}
+    return {**direct, **({"config_options": rest} if rest else {})}
 
 
 def describe_methods(indent: str = "  ") -> str:

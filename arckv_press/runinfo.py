@@ -182,3 +182,18 @@ def parse_option(text: str) -> tuple[str, object]:
         return key, ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return key, value
+
+
+def add_option_argument(parser) -> None:
+    """``--option KEY=VALUE`` (repeatable): a :class:`~arckv_press.api.CompactionConfig` field for the
+    ARC-KV / Attention Matching methods (:func:`parse_option` values), collected as the dict
+    ``args.options``; :func:`arckv_press.registry.press_options` turns it into press arguments."""
+    import argparse
+
+    class Collect(argparse.Action):
+        def __call__(self, parser, namespace, value, option_string=None):
+            setattr(namespace, self.dest, {**getattr(namespace, self.dest), value[0]: value[1]})
+
+    parser.add_argument("--option", dest="options", action=Collect, type=parse_option, default={}, metavar="KEY=VALUE",
+                        help="a CompactionConfig field for the ARC-KV / Attention Matching methods (repeatable), "
+                             "e.g. lambda_m=1.0 or fit_scope=all; their rows carry that option's config_id")

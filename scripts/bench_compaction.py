@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, median_seconds, parse_length, parse_option, print_header, run_meta  # noqa: E402
+from arckv_press.runinfo import add_option_argument, append_rows, median_seconds, parse_length, print_header, run_meta  # noqa: E402
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_compaction.csv"
 COMPACTION_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha")
@@ -407,13 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-synthetic", action="store_true", help="only the model section")
     p.add_argument("--quick", action="store_true", help="1K only, rho 0.1 and 0.02, one repeat, synthetic T <= 4096")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--option", dest="options", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
-                   help="a CompactionConfig option for the ARC-KV / AM methods (repeatable), e.g. "
-                        "max_head_multiple=4.0; rows carry its config_id")
+    add_option_argument(p)
     p.add_argument("--summary", action="store_true",
                    help="run nothing: print the model section's summary and ratios from --out (current options)")
     args = p.parse_args(argv)
-    args.options = dict(args.options)
     q = args.quick
     args.methods = args.methods or [*COMPACTION_METHODS, *KVPRESS_METHODS]
     args.ratios = args.ratios or ([0.1, 0.02] if q else [0.2, 0.1, 0.05, 0.02, 0.01])
@@ -443,10 +440,9 @@ def main(argv: list[str] | None = None) -> int:
 def method_ids_with_options(method: str, model_id: str, options: dict) -> dict[str, str]:
     """The indexer and options ids a timing row of ``method`` carries (``--option`` included, for
     ARC-KV / Attention Matching methods)."""
-    from arckv_press.registry import METHODS, result_ids
+    from arckv_press.registry import press_options, result_ids
 
-    extra = {"config_options": options} if options and METHODS[method].ours else {}
-    return result_ids(method, model_id, **extra)
+    return result_ids(method, model_id, **press_options(method, options))
 
 
 def summary_from_csv(args) -> None:

@@ -23,8 +23,8 @@ not depend on the model's question-answering skill, which is what matters on a 1
 after its first 16,384 tokens (beyond every needle / RULER haystack, which start at the beginning
 of the file, and disjoint from the reported second half), written to
 ``leaderboards/fidelity_dev.csv``. Defaults that depend on the kept fraction are chosen there, never
-on the reported documents. ``--option KEY=VALUE`` passes a press option to the ARC-KV / Attention
-Matching methods (e.g. ``lambda_m=0.5``); its rows carry that option's ``config_id``.
+on the reported documents. ``--option KEY=VALUE`` sets a ``CompactionConfig`` field of the ARC-KV /
+Attention Matching methods (e.g. ``lambda_m=0.5``); its rows carry that option's ``config_id``.
 
 Writes one row per (method, ratio, document) to ``leaderboards/bench_fidelity.csv`` (resumable:
 finished rows are skipped, unless they used another learned indexer checkpoint or other compaction
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-from arckv_press.runinfo import append_rows, is_current, parse_option, print_header, read_rows, run_meta  # noqa: E402
+from arckv_press.runinfo import add_option_argument, append_rows, is_current, print_header, read_rows, run_meta  # noqa: E402
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_fidelity.csv"
 DEV_OUT = ROOT / "leaderboards" / "fidelity_dev.csv"
@@ -129,12 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", choices=("test", "dev"), default="test",
                    help="test: the reported documents (second half of the essays); dev: development documents "
                         "(first half, after 16,384 tokens) for choosing defaults")
-    p.add_argument("--option", dest="options", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
-                   help="a press option for the ARC-KV / Attention Matching methods (repeatable), e.g. lambda_m=0.5")
+    add_option_argument(p)
     p.add_argument("--out", type=Path, default=None, help="CSV (default leaderboards/bench_fidelity.csv; "
                    "with --split dev leaderboards/fidelity_dev.csv)")
     args = p.parse_args(argv)
-    args.options = dict(args.options)
     args.out = args.out or (DEV_OUT if args.split == "dev" else DEFAULT_OUT)
     quick = QUICK if args.quick else {}
     methods = args.methods or quick.get("methods", DEFAULT_METHODS)
@@ -151,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     from arckv_press.haystack import load_haystack
     from arckv_press.models import load_model, model_id
     from arckv_press.probes import continuation_damage, reference_nlls
-    from arckv_press.registry import make_press, result_ids
+    from arckv_press.registry import make_press, press_options, result_ids
 
     print_header("context fidelity (continuation damage)", argv=argv)
     meta = run_meta(argv=None if argv is None else [sys.argv[0], *argv])
@@ -159,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     mid = model_id(model)
     haystack = load_haystack(None)
     documents = split_documents_of(args.split, tok, haystack, n_docs, args.doc_tokens, args.cont_tokens)
-    options = {m: args.options if METHODS[m].ours else {} for m in methods}
+    options = {m: press_options(m, args.options) for m in methods}
     # rows of another indexer checkpoint or config do not count
     ids = {m: result_ids(m, mid, **options[m]) for m in methods}
     rows = read_rows(args.out)

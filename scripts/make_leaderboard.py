@@ -420,8 +420,15 @@ HEADLINE_RATIOS = (0.2, 0.1, 0.05)
 REFERENCE_METHODS = {"none": "full cache", "no-context": "no context"}
 
 
-def _headline_cell(values: list[str]) -> str:
-    return " · ".join(values) if any(v != "-" for v in values) else "-"
+def _headline_value(r: dict | None, kind: str) -> str:
+    """One value of a headline cell: needles found ``k/n``, a score or compaction seconds; ``-`` if none."""
+    x = None if r is None else _num(r.get("compaction_seconds") if kind == "time" else r["score"])
+    if x is None:
+        return "-"
+    if kind == "needle":
+        n = int(float(r["n_examples"]))
+        return f"{round(x * n)}/{n}"
+    return f"{x:.1f}" if kind == "time" else f"{x:.2f}"
 
 
 def headline_markdown(rows: list[dict]) -> str:
@@ -434,39 +441,22 @@ def headline_markdown(rows: list[dict]) -> str:
                 if r["benchmark"] == bench and r["task"] == task and r["ratio"] not in ("", None)}
 
     needle, fidelity, ruler = pick("needle", "needle"), pick("fidelity", "continuation"), pick("ruler", "ruler")
-
-    def cells(method: str) -> list[str]:
-        out = []
-        for table, fmt in ((needle, "needle"), (fidelity, "score"), (ruler, "score"), (fidelity, "time")):
-            values = []
-            for ratio in HEADLINE_RATIOS:
-                r = table.get((method, ratio))
-                x = None if r is None else _num(r["score"] if fmt != "time" else r.get("compaction_seconds"))
-                if x is None:
-                    values.append("-")
-                elif fmt == "needle":
-                    values.append(f"{round(x * float(r['n_examples']))}/{int(float(r['n_examples']))}")
-                elif fmt == "time":
-                    values.append(f"{x:.1f}")
-                else:
-                    values.append(f"{x:.2f}")
-            out.append(_headline_cell(values))
-        return out
-
-    methods = [m for m in METHOD_NAMES if m not in REFERENCE_METHODS]
+    columns = ((needle, "needle"), (fidelity, "score"), (ruler, "score"), (fidelity, "time"))
     keep = "/".join(f"{r * 100:g}" for r in HEADLINE_RATIOS)
     head = [f"method, keep {keep}%", "needles found", "continuation fidelity", "RULER 2K", "compaction s"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for m in methods:
-        lines.append("| " + " | ".join([f"`{m}`", *cells(m)]) + " |")
+    for m in METHOD_NAMES:
+        if m in REFERENCE_METHODS:
+            continue
+        cells = []
+        for table, kind in columns:
+            values = [_headline_value(table.get((m, ratio)), kind) for ratio in HEADLINE_RATIOS]
+            cells.append(" · ".join(values) if any(v != "-" for v in values) else "-")
+        lines.append("| " + " | ".join([f"`{m}`", *cells]) + " |")
     for m, label in REFERENCE_METHODS.items():  # one row each, whatever ratio it is stored under
-        ref = [next((r for (name, _), r in table.items() if name == m), None) for table in (needle, fidelity, ruler)]
-        values = []
-        for r, kind in zip(ref, ("needle", "score", "score")):
-            x = None if r is None else _num(r["score"])
-            values.append("-" if x is None else f"{round(x * float(r['n_examples']))}/{int(float(r['n_examples']))}"
-                          if kind == "needle" else f"{x:.2f}")
-        lines.append("| " + " | ".join([label, *values, "-"]) + " |")
+        cells = [_headline_value(next((r for (name, _), r in table.items() if name == m), None), kind)
+                 for table, kind in columns[:3]]
+        lines.append("| " + " | ".join([label, *cells, "-"]) + " |")
     return "\n".join(lines)
 
 

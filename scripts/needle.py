@@ -57,11 +57,11 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
 from arckv_press.runinfo import (  # noqa: E402
+    add_option_argument,
     append_rows,
     current_rows,
     is_current,
     parse_length,
-    parse_option,
     print_header,
     read_rows,
     run_meta,
@@ -96,11 +96,12 @@ def case_key(method: str, ratio, length, depth, seed) -> tuple:
 def indexer_options(name: str, indexer: str | None, options: dict | None = None) -> dict:
     """The press options of method ``name``: ``{"indexer": indexer}`` for a method that uses the
     learned indexer when a checkpoint path is given (``--indexer``; else the shipped checkpoint),
-    plus ``options`` (``--option``) for the ARC-KV / Attention Matching methods."""
-    from arckv_press.registry import METHODS
+    plus the press arguments of the ``CompactionConfig`` fields ``options`` (``--option``,
+    :func:`arckv_press.registry.press_options`)."""
+    from arckv_press.registry import METHODS, press_options
 
     out = {"indexer": indexer} if indexer is not None and METHODS[name].uses_indexer else {}
-    return {**out, **(options or {})} if METHODS[name].ours else out
+    return {**out, **press_options(name, options)}
 
 
 def current_ids(methods, mid: str, indexer: str | None = None, options: dict | None = None) -> dict[str, dict[str, str]]:
@@ -348,14 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--indexer", default=None,
                    help="indexer checkpoint dir for the methods that use one (default: the shipped one); rows record "
                         "its id, and the summary and figures show the shipped checkpoint's rows only")
-    p.add_argument("--option", dest="options", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
-                   help="a press option for the ARC-KV / Attention Matching methods (repeatable), e.g. "
-                        "config_options={'fit_scope':'all'}; its rows carry that option's config_id")
+    add_option_argument(p)
     p.add_argument("--haystack", default=None, help="haystack text file (default: the Paul Graham essays)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"CSV (default {DEFAULT_OUT.relative_to(ROOT)})")
     args = p.parse_args(argv)
-    args.options = dict(args.options)
     grid = QUICK if args.quick else dict(methods=DEFAULT_METHODS, ratios=(0.2, 0.1, 0.05), lengths=(1000, 2000, 4000, 8000),
                                          depths=(0.0, 0.25, 0.5, 0.75, 1.0))
     for name, default in grid.items():

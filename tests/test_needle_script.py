@@ -74,9 +74,10 @@ def test_press_options_reach_our_presses_and_their_ids(monkeypatch):
     from arckv_press.registry import result_ids
 
     needle = load_script("needle")
-    opts = {"config_options": {"fit_scope": "all"}}
+    opts = {"fit_scope": "all"}
     ids = needle.current_ids(["arckv-ha", "snapkv"], DEFAULT_MODEL_ID, None, opts)
-    assert ids["arckv-ha"] == result_ids("arckv-ha", DEFAULT_MODEL_ID, **opts) != result_ids("arckv-ha", DEFAULT_MODEL_ID)
+    as_press = {"config_options": {"fit_scope": "all"}}  # fit_scope is no ARCKVPress argument
+    assert ids["arckv-ha"] == result_ids("arckv-ha", DEFAULT_MODEL_ID, **as_press) != result_ids("arckv-ha", DEFAULT_MODEL_ID)
     assert ids["snapkv"] == result_ids("snapkv", DEFAULT_MODEL_ID)
     made = []
     monkeypatch.setattr("arckv_press.registry.make_press", lambda name, ratio, **kw: made.append((name, kw)))
@@ -85,7 +86,7 @@ def test_press_options_reach_our_presses_and_their_ids(monkeypatch):
             needle.run_case(None, torch.nn.Module(), "tok", name, 0.1, "ctx", None, None, opts)
         except Exception:
             pass  # the fake pipeline fails after the press is built
-    assert made == [("arckv-ha", {"tokenizer": "tok", **opts}), ("snapkv", {})]
+    assert made == [("arckv-ha", {"tokenizer": "tok", **as_press}), ("snapkv", {})]
 
 
 def test_default_grid_is_the_issues_grid(tmp_path, monkeypatch):

@@ -198,3 +198,26 @@ def test_parse_option_reads_literals_and_words():
     assert parse_option("fit_scope=merged") == ("fit_scope", "merged")
     with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
         parse_option("lambda_m")
+
+
+def test_option_argument_collects_a_dict_and_press_options_split_it():
+    import argparse
+
+    from arckv_press.registry import make_press, press_options
+    from arckv_press.runinfo import add_option_argument
+
+    p = argparse.ArgumentParser()
+    add_option_argument(p)
+    assert p.parse_args([]).options == {}
+    args = p.parse_args(["--option", "lambda_m=1.0", "--option", "fit_scope=all", "--option", "lambda_m=0.5"])
+    assert args.options == {"lambda_m": 0.5, "fit_scope": "all"}  # the last value of a key wins
+    assert p.parse_args([]).options == {}  # the default is never mutated
+    # a field the press takes as an argument is passed as one, the others in config_options
+    kw = press_options("arckv-ha", args.options)
+    assert kw == {"lambda_m": 0.5, "config_options": {"fit_scope": "all"}}
+    config = make_press("arckv-ha", 0.1, **kw).compaction_config()
+    assert (config.lambda_m, config.fit_scope) == (0.5, "all")
+    assert press_options("am-omp", {"fit_scope": "all"}) == {"config_options": {"fit_scope": "all"}}
+    assert press_options("snapkv", args.options) == {} and press_options("arckv-ha", {}) == {}
+    with pytest.raises(ValueError, match="unknown method"):
+        press_options("nope", {})

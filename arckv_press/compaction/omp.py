@@ -73,7 +73,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_float, check_qk, check_scaling
+from .checks import check_float, check_qk, check_scaling, check_values
 from .fit import FitConfig, fit_values
 
 __all__ = [
@@ -613,9 +613,7 @@ def am_compact(
     if variant not in _VARIANTS:
         raise ValueError(f"variant must be one of {sorted(_VARIANTS)}, got {variant!r}")
     check_qk(Q, K)
-    check_float(V, "V", 3)
-    if V.shape[:2] != K.shape[:2]:
-        raise ValueError(f"V {tuple(V.shape)} must match K {tuple(K.shape)} in heads and length")
+    check_values(V, K)
     scaling = check_scaling(scaling)
     budgets = _check_budgets(budgets, K.shape[0], K.shape[1], K.device)
     if variant == "ha":

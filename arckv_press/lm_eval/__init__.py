@@ -15,9 +15,9 @@ Three ways to use it (lm-eval 0.4.13):
    ``ruler`` and ``longbench`` tasks then override lm-eval's built-ins of the same names. Opt out
    with ``ARCKV_LM_EVAL_NO_HOOK=1`` (everything) or ``ARCKV_LM_EVAL_NO_TASKS=1`` (tasks only).
 
-2. The console script ``arckv-lm-eval`` (same arguments as ``lm_eval``; registers the model,
-   adds ``--include_path <repo>/tasks`` when the repository's task folder is present and no
-   include path was given, then runs lm-eval's CLI): see :mod:`.cli`.
+2. The console script ``arckv-lm-eval`` (same arguments as ``lm_eval``; plugs the model and the
+   tasks in by importing this package, for when the start-up hook is disabled, then runs
+   lm-eval's CLI): see :mod:`.cli`.
 
 3. Python::
 
@@ -124,10 +124,6 @@ def register() -> None:
     on_registry_imported(registry_module)
 
 
-def _activate() -> None:
-    _pth_hook.install()
-
-
 def __getattr__(name: str) -> Any:
     if name == "HFArcKV":
         from .model import HFArcKV
@@ -136,4 +132,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_activate()
+_pth_hook.install()  # register now, or when lm-eval imports its registry / TaskManager
