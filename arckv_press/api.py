@@ -32,8 +32,6 @@ from arckv_press.capture import QueryCapture, encode_document, framing_for, pref
 from arckv_press.compaction.checks import check_ratio
 from arckv_press.compaction.fit import FitConfig
 from arckv_press.compaction.layer import (
-    AM_VARIANTS,
-    ARCKV_SELECTORS,
     LayerMethod,
     anchor_scores,
     compact_layer,
@@ -47,11 +45,25 @@ from arckv_press.compaction.reference import (
     subsample_rows,
 )
 from arckv_press.compaction.select import POOLINGS, global_budgets, per_head_budgets
+from arckv_press.methods import method as lookup_method
 
-__all__ = ["CompactionConfig", "config_id", "compact", "compact_prefilled", "METHODS", "CompactionReport"]
+__all__ = ["CompactionConfig", "config_id", "compact", "compact_prefilled", "CompactionReport",
+           "LAMBDA_SCHEDULE", "scheduled_lambda_m"]
 
-METHODS = tuple(ARCKV_SELECTORS) + tuple(AM_VARIANTS)
 PIPELINES = ("fused", "separate")
+
+# (smallest kept fraction, lambda_m) steps, largest first: the default key-merging coefficient of
+# Eq. (key_merge) at a kept fraction. Chosen on the development split of the fidelity benchmark
+# (never on the documents the leaderboards report; docs/methodology.md): merging harder pays off
+# once a head keeps only a few percent of its positions.
+LAMBDA_SCHEDULE: tuple[tuple[float, float], ...] = ((0.05, 0.25), (0.0, 1.0))
+
+
+def scheduled_lambda_m(ratio: float) -> float:
+    """The default ``lambda_m`` at kept fraction ``ratio``: the first step of
+    :data:`LAMBDA_SCHEDULE` whose smallest kept fraction ``ratio`` reaches."""
+    ratio = check_ratio(ratio)
+    return next(lam for lowest, lam in LAMBDA_SCHEDULE if ratio >= lowest)
 
 
 @dataclass
@@ -62,7 +74,10 @@ class CompactionConfig:
         method: ``arckv`` (learned indexer), ``arckv-ha``, ``arckv-vi``, ``am-omp``,
             ``am-omp-fast`` or ``am-ha``.
         ratio: kept fraction rho in (0, 1].
-        lambda_m: key-merging coefficient (paper: 0.25 for QuALITY/RULER).
+        lambda_m: key-merging coefficient of Eq. (key_merge) (the paper uses 0.25 for QuALITY and
+            RULER); ``None`` (default) takes it from :data:`LAMBDA_SCHEDULE` at ``ratio``
+            (:func:`scheduled_lambda_m`): 0.25 at keep 5% and above, 1.0 below (chosen on the
+            fidelity dev split, ``docs/methodology.md``).
         pooling: ``rms`` (paper Eq. (indexer_pooling)), ``mean`` or ``max``.
         query_budget: reference-query rows per KV head (G rows per captured position).
         context_fraction: share of reference rows taken from the context's own prefill queries
@@ -133,7 +148,7 @@ class CompactionConfig:
 
     method: str = "arckv"
     ratio: float = 0.1
-    lambda_m: float = 0.25
+    lambda_m: float | None = None
     pooling: str = "rms"
     query_budget: int = 2048
     context_fraction: float = 0.0
@@ -159,8 +174,7 @@ class CompactionConfig:
     fit_scope: str = "merged"
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; expected one of {list(METHODS)}")
+        lookup_method(self.method, ours=True)
         check_ratio(self.ratio)
         if not 0.0 <= self.context_fraction <= 1.0:
             raise ValueError(f"context_fraction must be in [0, 1], got {self.context_fraction}")
@@ -174,7 +188,7 @@ class CompactionConfig:
             raise ValueError(f"allocation must be 'global' or 'fixed', got {self.allocation!r}")
         if not 0.0 <= self.min_head_fraction <= 1.0:
             raise ValueError(f"min_head_fraction must be in [0, 1], got {self.min_head_fraction}")
-        if self.on_policy and self.allocation == "global" and self.method in ARCKV_SELECTORS:
+        if self.on_policy and self.allocation == "global" and self.family == "arckv":
             raise ValueError("on_policy=True needs allocation='fixed' (global budgets need every layer's queries up front)")
         if self.min_length < 1:
             raise ValueError(f"min_length must be >= 1, got {self.min_length}")
@@ -192,8 +206,17 @@ class CompactionConfig:
             raise ValueError(f"merge_rows must be a positive int or None, got {self.merge_rows!r}")
         self.layer_method()  # validates lambda_m now, not after the prefill and repeat-prefill
 
+    @property
+    def family(self) -> str:
+        """``"arckv"`` or ``"am"`` (:class:`~arckv_press.methods.Method`)."""
+        return lookup_method(self.method, ours=True).family
+
+    def merging_coefficient(self) -> float:
+        """``lambda_m`` as used at this config's kept fraction (the schedule's when ``None``)."""
+        return scheduled_lambda_m(self.ratio) if self.lambda_m is None else self.lambda_m
+
     def layer_method(self) -> LayerMethod:
-        return LayerMethod(self.method, self.lambda_m, self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
+        return LayerMethod(self.method, self.merging_coefficient(), self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
                            fit_witnesses=self.fit_witnesses, verbatim_fraction=self.verbatim_fraction,
                            fit_scope=self.fit_scope)
 
@@ -222,16 +245,20 @@ def config_id(config: CompactionConfig) -> str:
     """Short content id (12 hex digits) of the options that shape a compaction's result.
 
     Covers every :class:`CompactionConfig` field (and :class:`FitConfig`) except the kept fraction,
+    with ``lambda_m`` as used at that kept fraction (so the default schedule and the same coefficient
+    given explicitly share an id, and the id changes where the schedule does),
     progress bars, ``min_length`` (it only refuses inputs) and the indexer (which has its own id,
     :func:`arckv_press.indexer.checkpoint.checkpoint_id`); for Attention Matching methods also
     except the ARC-KV-only options they ignore (merging, budgets, witnesses). Benchmark rows store
     it, so a result made under other defaults (say a new ``min_head_fraction``) is never taken for
     a current one, while unrelated default changes leave the other methods' rows valid.
     """
-    skip = set(_RUN_ONLY_FIELDS) | (set(_ARCKV_ONLY_FIELDS) if config.method in AM_VARIANTS else set())
+    skip = set(_RUN_ONLY_FIELDS) | (set(_ARCKV_ONLY_FIELDS) if config.family == "am" else set())
     skip |= set(_INDEXER_ONLY_FIELDS) if config.method != "arckv" else set()
     options = {f.name: _canonical(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in skip}
-    if config.method in AM_VARIANTS:
+    if "lambda_m" in options:  # the coefficient used at this kept fraction: the schedule's or the one given
+        options["lambda_m"] = _canonical(float(config.merging_coefficient()))
+    if config.family == "am":
         options["fit"].pop("gram_dtype")  # Attention Matching always forms float64 products
     return hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -446,7 +473,7 @@ def compact_prefilled(
         original_length=int(context_ids.shape[1]),
         package_version=__version__,
         weights_fingerprint=weights_fingerprint(model),
-        extra={"prefix_length": prefix_len, "lambda_m": config.lambda_m, "config_id": config_id(config),
+        extra={"prefix_length": prefix_len, "lambda_m": config.merging_coefficient(), "config_id": config_id(config),
                "report": report.__dict__},
     )
     result.report = report
@@ -463,7 +490,7 @@ def _progress(config: CompactionConfig, total: int, desc: str, unit: str = "tok"
 
 def _fused(config: CompactionConfig) -> bool:
     """Whether ARC-KV runs the fused reference pass (``CompactionConfig.pipeline``)."""
-    return (config.pipeline == "fused" and config.method in ARCKV_SELECTORS and config.score_queries == "all"
+    return (config.pipeline == "fused" and config.family == "arckv" and config.score_queries == "all"
             and not config.on_policy and config.context_fraction == 0.0)
 
 
@@ -472,7 +499,7 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
     """Stages of the fused pipeline: one repeat-prefill gathering every statistic, allocation,
     then each layer from its statistics (:func:`compact_layer_from_stats`)."""
     T = context_ids.shape[1] - prefix_len
-    selector = ARCKV_SELECTORS[config.method]
+    selector = lookup_method(config.method).selector
     t0 = time.perf_counter()
     bar = _progress(config, T, "repeat-prefill")
     base_pos = plan.repeat_rows
@@ -540,7 +567,7 @@ def _compact_separate(model, tokenizer, cache, context_ids, prefix_len, layers, 
         if bar is not None:
             bar.close()
         timings["repeat_prefill"] = time.perf_counter() - t0
-    scored = config.method in ARCKV_SELECTORS and not config.on_policy
+    scored = config.family == "arckv" and not config.on_policy
 
     def layer_scores(layer_idx: int) -> torch.Tensor:
         """Anchor scores of a layer from every captured reference row (``score_queries``)."""
@@ -652,7 +679,7 @@ class _CapturePlan:
 
 def _capture_plan(T: int, G: int, config: CompactionConfig) -> _CapturePlan:
     repeat_pos, context_pos = _reference_positions(T, G, config)
-    score_all = config.score_queries == "all" and config.method in ARCKV_SELECTORS and not config.on_policy
+    score_all = config.score_queries == "all" and config.family == "arckv" and not config.on_policy
 
     def widen(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if score_all and pos.numel():

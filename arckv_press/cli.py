@@ -73,7 +73,8 @@ def cmd_demo(args) -> int:
 
     from arckv_press.cache import cache_nbytes
     from arckv_press.haystack import load_haystack, make_needle, needle_context
-    from arckv_press.registry import METHODS, make_press
+    from arckv_press.methods import METHODS
+    from arckv_press.registry import make_press
 
     model, tok = _load(args)
     needle = make_needle(args.seed)
@@ -109,7 +110,8 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from arckv_press.api import METHODS, CompactionConfig
+    from arckv_press.api import LAMBDA_SCHEDULE, CompactionConfig
+    from arckv_press.methods import COMPACTION_METHODS
 
     defaults = CompactionConfig()
     parser = argparse.ArgumentParser(prog="arckv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,9 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compact", help="prefill and compact a text file, save the compact cache")
     p.add_argument("file")
-    p.add_argument("--method", default="arckv", choices=list(METHODS))
+    p.add_argument("--method", default="arckv", choices=list(COMPACTION_METHODS))
     p.add_argument("--ratio", type=float, default=0.1, help="kept fraction rho in (0, 1]")
-    p.add_argument("--lambda-m", type=float, default=None, help=f"ARC-KV key-merging coefficient (default {defaults.lambda_m})")
+    p.add_argument("--lambda-m", type=float, default=None, help="ARC-KV key-merging coefficient (default: by kept fraction, "
+                   + ", ".join(f"{lam:g} at ratio >= {lowest:g}" if lowest > 0 else f"{lam:g} below"
+                               for lowest, lam in LAMBDA_SCHEDULE) + ")")
     p.add_argument("--min-head-fraction", type=float, default=None,
                    help=f"ARC-KV: share of its uniform budget every layer-head keeps (default {defaults.min_head_fraction}; "
                         "0 = fully global, 1 = uniform budgets)")

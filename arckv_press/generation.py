@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from arckv_press.cache import cache_snapshot, restore_cache
 from arckv_press.capture import framing_for
 
-__all__ = ["answer", "answer_many", "question_ids"]
+__all__ = ["answer", "answer_many", "question_ids", "greedy_decode", "eos_ids"]
 
 
 def question_ids(tokenizer, question: str, answer_prefix: str = "", use_chat_template: bool | None = None) -> torch.Tensor:
@@ -105,30 +105,52 @@ def _greedy(model, tokenizer, cache, questions, max_new_tokens, prefixes, use_ch
     if bool((offset < 0).any()):
         mask = torch.cat([torch.ones(B, cached, dtype=torch.long, device=device), (offset >= 0).long()], dim=1)
     pos = start + offset.clamp(min=0)
+    out = greedy_decode(model, cache, ids, pos, max_new_tokens, attention_mask=mask)
+    return [tokenizer.decode(o, skip_special_tokens=True) for o in out]
+
+
+def eos_ids(model) -> set[int]:
+    """The model's end-of-sequence token ids (``generation_config.eos_token_id``: one, a list or none)."""
     eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
+    return set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+
+
+def greedy_decode(model, cache, ids: torch.Tensor, positions: torch.Tensor, max_new_tokens: int,
+                  attention_mask: torch.Tensor | None = None, stop=None, state=None) -> list[list[int]]:
+    """The one greedy decoder: feed ``ids [B, L]`` at ``positions [B, L]`` after ``cache`` and
+    decode up to ``max_new_tokens`` tokens per row, the argmax each step. A row ends at an EOS
+    token (not returned) or when ``stop(tokens)`` (optional) is true of its tokens so far.
+    ``attention_mask [B, cached + L]`` masks left pads (grown by one column per step). With
+    ``B > 1`` the cache is expanded to the batch for the decode. The cache is restored afterwards
+    to ``state`` (a :func:`~arckv_press.cache.cache_snapshot`; default: taken on entry)."""
+    if max_new_tokens < 1:
+        return [[] for _ in range(ids.shape[0])]
+    B = ids.shape[0]
+    eos = eos_ids(model)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
-    state = cache_snapshot(cache)
+    state = cache_snapshot(cache) if state is None else state
     if B > 1:
         cache.batch_repeat_interleave(B)
     try:
-        logits = model(input_ids=ids, past_key_values=cache, position_ids=pos, attention_mask=mask,
-                       logits_to_keep=1).logits
-        pos = pos[:, -1:]
-        for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, past_key_values=cache, position_ids=positions, attention_mask=attention_mask,
+                       use_cache=True, logits_to_keep=1).logits
+        pos = positions[:, -1:]
+        for step in range(max_new_tokens):
             nxt = logits[:, -1].argmax(-1)
             for b, tok in enumerate(nxt.tolist()):
                 if not done[b]:
                     done[b] = tok in eos
                     if not done[b]:
                         out[b].append(tok)
-            if all(done):
+                        done[b] = stop is not None and bool(stop(out[b]))
+            if all(done) or step + 1 == max_new_tokens:
                 break
             pos = pos + 1
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-            logits = model(input_ids=nxt[:, None], past_key_values=cache, position_ids=pos, attention_mask=mask).logits
+            if attention_mask is not None:
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
+            logits = model(input_ids=nxt[:, None], past_key_values=cache, position_ids=pos,
+                           attention_mask=attention_mask, use_cache=True).logits
     finally:
         restore_cache(cache, state)
-    return [tokenizer.decode(o, skip_special_tokens=True) for o in out]
+    return out

@@ -35,7 +35,7 @@ from transformers import DynamicCache
 from arckv_press.api import CompactionConfig, CompactionReport, _capture_plan, compact_prefilled
 from arckv_press.capture import QueryCapture, framing_for
 from arckv_press.compaction.checks import check_ratio
-from arckv_press.compaction.layer import AM_VARIANTS, ARCKV_SELECTORS
+from arckv_press.methods import am_method, arckv_method
 
 __all__ = ["ARCKVPress", "AttentionMatchingPress", "kept_to_compression", "resolve_kept_ratio"]
 
@@ -333,7 +333,9 @@ class ARCKVPress(_CompactionPress):
     Args:
         ratio: kept fraction rho in (0, 1] (or ``compression_ratio = 1 - ratio``); ``ratio=1.0``
             keeps every position with beta = 0 and answers exactly as the full cache.
-        lambda_m: key-merging coefficient (paper Eq. (key_merge); 0.25 in the paper).
+        lambda_m: key-merging coefficient (paper Eq. (key_merge); 0.25 in the paper); ``None``
+            (default) takes it from the schedule by kept fraction
+            (:data:`~arckv_press.api.LAMBDA_SCHEDULE`).
         selector: anchor selector: ``"indexer"`` (learned value-aware indexer, method ``arckv``),
             ``"ha"`` (highest attention, ``arckv-ha``) or ``"vi"`` (value influence, ``arckv-vi``);
             paper App. C.1.
@@ -347,17 +349,14 @@ class ARCKVPress(_CompactionPress):
         progress, use_chat_template, config_options) and ``last_report``.
     """
 
-    lambda_m: float = _DEFAULTS.lambda_m
+    lambda_m: float | None = _DEFAULTS.lambda_m
     selector: str = "indexer"
     indexer: Any = None
     min_head_fraction: float = _DEFAULTS.min_head_fraction
 
     @property
     def method(self) -> str:
-        by_selector = {sel: name for name, sel in ARCKV_SELECTORS.items()}
-        if self.selector not in by_selector:
-            raise ValueError(f"unknown ARC-KV selector {self.selector!r}; expected one of {sorted(by_selector)}")
-        return by_selector[self.selector]
+        return arckv_method(self.selector).name
 
     def _method_options(self) -> dict[str, Any]:
         return {"lambda_m": self.lambda_m, "indexer": self.indexer, "min_head_fraction": self.min_head_fraction}
@@ -383,7 +382,4 @@ class AttentionMatchingPress(_CompactionPress):
 
     @property
     def method(self) -> str:
-        by_variant = {var: name for name, var in AM_VARIANTS.items()}
-        if self.variant not in by_variant:
-            raise ValueError(f"unknown Attention-Matching variant {self.variant!r}; expected one of {sorted(by_variant)}")
-        return by_variant[self.variant]
+        return am_method(self.variant).name

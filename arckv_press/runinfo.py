@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["command_line", "machine_info", "print_header", "run_meta", "read_rows", "append_rows", "is_current", "current_rows"]
+__all__ = ["command_line", "machine_info", "print_header", "run_meta", "read_rows", "append_rows", "is_current", "CurrentIds", "current_rows"]
 
 
 def command_line(argv: list[str] | None = None) -> str:
@@ -146,14 +146,34 @@ def is_current(row: dict, ids: dict[str, str]) -> bool:
     return all(str(row.get(key) or "") == value for key, value in ids.items())
 
 
+class CurrentIds:
+    """The ids (:func:`arckv_press.registry.result_ids`) a stored row of a method at a kept fraction
+    must carry now, for ``model_id``; ``options_for(method)`` gives the press options of a method
+    (default none). Called as ``ids(method, ratio)``; :meth:`matches` checks a stored row (its
+    ``method`` and ``ratio`` columns; a row without a ratio counts as the full cache, 1)."""
+
+    def __init__(self, model_id: str, options_for=None):
+        self.model_id, self.options_for = model_id, options_for or (lambda method: {})
+        self._cache: dict[tuple[str, float], dict[str, str]] = {}
+
+    def __call__(self, method: str, ratio: float) -> dict[str, str]:
+        key = (method, float(ratio))
+        if key not in self._cache:
+            from arckv_press.registry import result_ids
+
+            self._cache[key] = result_ids(method, self.model_id, float(ratio), **self.options_for(method))
+        return self._cache[key]
+
+    def matches(self, row: dict) -> bool:
+        return is_current(row, self(row["method"], float(row.get("ratio") or 1.0)))
+
+
 def current_rows(rows: list[dict], model_id: str) -> list[dict]:
     """Rows made with the indexer checkpoint and compaction options each method now uses for
-    ``model_id`` (columns ``indexer`` and ``config_id``, :func:`arckv_press.registry.result_ids`;
-    kvpress methods: every row)."""
-    from arckv_press.registry import result_ids
-
-    ids = {name: result_ids(name, model_id) for name in {r["method"] for r in rows}}
-    kept = [r for r in rows if is_current(r, ids[r["method"]])]
+    ``model_id`` at the row's kept fraction (columns ``indexer`` and ``config_id``,
+    :class:`CurrentIds`; kvpress methods: every row)."""
+    ids = CurrentIds(model_id)
+    kept = [r for r in rows if ids.matches(r)]
     if len(kept) < len(rows):
         print(f"({len(rows) - len(kept)} rows made with another indexer checkpoint or other compaction defaults are left out)")
     return kept

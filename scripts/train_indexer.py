@@ -57,20 +57,9 @@ checkpoint). Epoch counts (6 + 3) were then set by the wall-time budget of the s
 KL epoch over 20 pools takes ~3.5 s, one joint epoch ~20 s per layer on one (shared) core.
 """
 
-from __future__ import annotations
-
-import os
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from pathlib import Path  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
-
-from arckv_press.indexer.run import main  # noqa: E402
+from arckv_press.indexer.run import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -172,18 +172,11 @@ def make_text(n_chars: int, seed: int = 0) -> str:
 
 
 def load_script(name: str):
-    """Import ``scripts/<name>.py`` as a module (scripts are not a package). The module is
-    registered in ``sys.modules`` because dataclasses resolve their module by name."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    """The module behind ``scripts/<name>.py``: :mod:`arckv_press.bench.<name>` (each script is a
+    thin entry point to it)."""
+    import importlib
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"arckv_press.bench.{name}")
 
 
 def assert_ratio_of_rounded(printed: float, num: float, den: float, csv_decimals: int, print_decimals: int = 2,

@@ -16,7 +16,8 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from arckv_press.api import METHODS, CompactionConfig, _reference_positions, compact, compact_prefilled
+from arckv_press.methods import COMPACTION_METHODS
+from arckv_press.api import CompactionConfig, _reference_positions, compact, compact_prefilled
 from arckv_press.cache import CompactCache, CompactLayer
 from arckv_press.capture import framing_for, prefill, repeat_prefill
 from arckv_press.compaction.fit import FitConfig, compact_attention, full_attention, fit_beta, fit_values
@@ -94,7 +95,7 @@ def test_ratio_one_is_the_plain_cache(tiny_model, tiny_tokenizer, family, overri
 # ------------------------------------------------------------------- every method, rho = 0.25
 
 METHOD_FAMILIES = ("llama", "qwen3", "gemma3")
-TRAINING_FREE = [m for m in METHODS if m != "arckv"]
+TRAINING_FREE = [m for m in COMPACTION_METHODS if m != "arckv"]
 
 
 def layer_tensors(cache: CompactCache) -> list[tuple[torch.Tensor, ...]]:
@@ -301,7 +302,7 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
             n_fit = max(n_fit, len(rows))
             Qh, Qm = Qs[i][h:h + 1, rows].float(), Qs[i][h:h + 1, base].float()
             Kh, Vh = K[i][h:h + 1], V[i][h:h + 1]
-            C_k, assign = merge_keys(Qm, Kh, anchors[None], None, layout.scaling, config.lambda_m)
+            C_k, assign = merge_keys(Qm, Kh, anchors[None], None, layout.scaling, config.merging_coefficient())
             alone = torch.bincount(assign[0], minlength=t)[None] == 1  # fit_scope="merged"
             n_alone += int(alone.sum())
             beta, _ = fit_beta(Qh, Kh, C_k, layout.scaling, config=config.fit, fixed=alone)
@@ -585,7 +586,10 @@ def test_config_id_covers_the_options_that_shape_a_result():
         return config_id(CompactionConfig(**kw))
 
     base = cid(method="arckv-ha")
-    assert base == cid(method="arckv-ha", ratio=0.02, progress=True, min_length=99) and len(base) == 12
+    assert base == cid(method="arckv-ha", ratio=0.05, progress=True, min_length=99) and len(base) == 12
+    # the kept fraction counts only through the lambda_m schedule: the id is that of the coefficient used
+    assert base == cid(method="arckv-ha", lambda_m=0.25) == cid(method="arckv-ha", ratio=0.3, lambda_m=0.25)
+    assert cid(method="arckv-ha", ratio=0.02) == cid(method="arckv-ha", ratio=0.01, lambda_m=1.0) != base
     for change in (dict(min_head_fraction=0.25), dict(lambda_m=0.0), dict(fit_witnesses=False), dict(seed=1),
                    dict(query_budget=512), dict(allocation="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
                    dict(budget_weights=torch.ones(3, 2)), dict(pipeline="separate"), dict(merge_rows=None),
@@ -605,12 +609,33 @@ def test_config_id_covers_the_options_that_shape_a_result():
     # the id of the AM defaults is the one stored with the AM results before the fused pipeline existed
     assert am == "eec358ad3241" and cid(method="am-omp-fast") == "47c5d1e0b5cc"
     assert am != cid(method="am-omp", query_budget=512) and am != cid(method="am-omp-fast")
-    assert method_config_id("arckv-ha") == base
-    assert method_config_id("arckv-ha", min_head_fraction=0.25) == cid(method="arckv-ha", min_head_fraction=0.25)
-    assert method_config_id("arckv-ha", config_options={"pooling": "max"}) == cid(method="arckv-ha", pooling="max")
+    assert method_config_id("arckv-ha", 0.1) == base
+    assert method_config_id("arckv-ha", 0.02) == cid(method="arckv-ha", ratio=0.02)
+    assert method_config_id("arckv-ha", 0.1, min_head_fraction=0.25) == cid(method="arckv-ha", min_head_fraction=0.25)
+    assert method_config_id("arckv-ha", 0.1, config_options={"pooling": "max"}) == cid(method="arckv-ha", pooling="max")
     with pytest.raises(ValueError, match="pass them as press arguments"):  # a press field, not config_options
-        method_config_id("arckv-ha", config_options={"min_head_fraction": 0.25})
-    assert method_config_id("snapkv") == method_config_id("none") == ""
+        method_config_id("arckv-ha", 0.1, config_options={"min_head_fraction": 0.25})
+    assert method_config_id("snapkv", 0.1) == method_config_id("none", 1.0) == ""
+
+
+def test_lambda_schedule_is_the_default_coefficient_and_an_explicit_one_wins():
+    """``lambda_m=None`` (default) uses LAMBDA_SCHEDULE at the kept fraction: the step boundaries are
+    inclusive, every kept fraction in (0, 1] gets a coefficient in [0, 1], and the layer method and
+    the press both see the scheduled value; a given ``lambda_m`` overrides it."""
+    from arckv_press.api import LAMBDA_SCHEDULE, scheduled_lambda_m
+    from arckv_press.presses import ARCKVPress
+
+    assert [lowest for lowest, _ in LAMBDA_SCHEDULE] == sorted((lowest for lowest, _ in LAMBDA_SCHEDULE), reverse=True)
+    assert LAMBDA_SCHEDULE[-1][0] == 0.0  # every kept fraction is covered
+    for ratio, want in ((1.0, 0.25), (0.1, 0.25), (0.05, 0.25), (0.0499, 1.0), (0.02, 1.0), (0.01, 1.0), (1e-6, 1.0)):
+        assert scheduled_lambda_m(ratio) == want, ratio
+        config = CompactionConfig(method="arckv-ha", ratio=ratio)
+        assert config.merging_coefficient() == config.layer_method().lambda_m == want
+        assert ARCKVPress(ratio=ratio, selector="ha").compaction_config().layer_method().lambda_m == want
+        assert CompactionConfig(method="arckv-ha", ratio=ratio, lambda_m=0.6).layer_method().lambda_m == 0.6
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="ratio"):
+            scheduled_lambda_m(bad)
 
 
 @pytest.mark.parametrize("base", ["ha", "vi"])

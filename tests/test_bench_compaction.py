@@ -41,7 +41,7 @@ def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys
 
     for r in rows:  # every time names the checkpoint and options it was measured with
         assert {"indexer": r["indexer"], "config_id": r["config_id"]} == (
-            result_ids(r["method"], DEFAULT_MODEL_ID) if r["method"] != "none" else {"indexer": "", "config_id": ""})
+            result_ids(r["method"], DEFAULT_MODEL_ID, float(r["ratio"])) if r["method"] != "none" else {"indexer": "", "config_id": ""})
     assert {r["indexer"] for r in rows if r["method"] == "arckv"} != {""}
     printed = capsys.readouterr().out.splitlines()
     pre = sec[("none", "prefill")]

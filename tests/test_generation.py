@@ -90,3 +90,34 @@ def test_reused_cache_answers_as_a_fresh_one_with_sliding_layers(tiny_model, tin
     sliding = [layer for layer in reused.layers if getattr(layer, "is_sliding", False)]
     assert sliding and sliding[0].keys.shape[2] < reused.get_seq_length()  # the window really evicts
     assert late == fresh
+
+
+def test_the_one_greedy_decoder_equals_transformers_generate(tiny_model, tiny_tokenizer):
+    """``greedy_decode`` (used by ``answer`` and by lm-eval's ``hf-arckv``) against
+    ``model.generate(do_sample=False)`` on a full cache: the same tokens, EOS excluded, a stop
+    callback ends a row early, and the cache is restored."""
+    from transformers import DynamicCache
+
+    from arckv_press.generation import greedy_decode
+
+    model = tiny_model("llama", num_layers=2, initializer_range=0.2)
+    tok = tiny_tokenizer(chat_template=False)
+    model.generation_config.eos_token_id = 2
+    ids = torch.tensor([tok.encode(make_text(200, seed=5), add_special_tokens=False)])
+    P, n_new = ids.shape[1] - 6, 9
+    with torch.inference_mode():
+        reference = model.generate(ids, do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
+                                   eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :P], past_key_values=cache, use_cache=True)
+        pos = torch.arange(P, ids.shape[1])[None]
+        model.generation_config.eos_token_id = None
+        got = greedy_decode(model, cache, ids[:, P:], pos, n_new)[0]
+        assert cache.get_seq_length() == P  # restored
+        assert got == reference
+        eos = reference[4]  # the fifth token as EOS: the row ends before it (first occurrence)
+        model.generation_config.eos_token_id = eos
+        assert greedy_decode(model, cache, ids[:, P:], pos, n_new)[0] == reference[:reference.index(eos)]
+        model.generation_config.eos_token_id = None
+        assert greedy_decode(model, cache, ids[:, P:], pos, n_new, stop=lambda out: len(out) == 3)[0] == reference[:3]
+        assert greedy_decode(model, cache, ids[:, P:], pos, 0) == [[]]

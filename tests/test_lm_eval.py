@@ -428,9 +428,11 @@ def test_requests_without_document_and_bad_options(inprocess_runs):
     from arckv_press.registry import method_config_id
 
     ha = HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv-ha", ratio=0.5, lambda_m=0.5)
-    assert ha.config_id == method_config_id("arckv-ha", lambda_m=0.5) != method_config_id("arckv-ha")
+    assert ha.config_id == method_config_id("arckv-ha", 0.5, lambda_m=0.5) != method_config_id("arckv-ha", 0.5)
     floor = HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv-ha", ratio=0.5, press_min_head_fraction=0.75)
-    assert floor.config_id == method_config_id("arckv-ha", min_head_fraction=0.75) != method_config_id("arckv-ha")
+    assert floor.config_id == method_config_id("arckv-ha", 0.5, min_head_fraction=0.75) != method_config_id("arckv-ha", 0.5)
+    low = HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv-ha", ratio=0.02)  # the lambda_m schedule
+    assert low.config_id == method_config_id("arckv-ha", 0.02) != method_config_id("arckv-ha", 0.5)
     assert HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="snapkv", ratio=0.5).config_id == ""
     with pytest.raises(ValueError, match="lambda_m"):
         HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="snapkv", ratio=0.5, lambda_m=0.3)

@@ -365,11 +365,49 @@ def test_rows_of_a_non_default_option_never_replace_the_defaults(ml):
     from arckv_press.models import DEFAULT_MODEL_ID
     from arckv_press.registry import result_ids
 
-    ids = result_ids("arckv-ha", DEFAULT_MODEL_ID)
-    base = {"method": "arckv-ha", "model": DEFAULT_MODEL_ID, "indexer": ids["indexer"]}
+    ids = result_ids("arckv-ha", DEFAULT_MODEL_ID, 0.1)
+    base = {"method": "arckv-ha", "model": DEFAULT_MODEL_ID, "indexer": ids["indexer"], "ratio": "0.1"}
     default = [{**base, "config_id": ids["config_id"], "date": "2026-01-01", "n": str(i)} for i in range(3)]
     option = {**base, "config_id": "not-the-default", "date": "2026-12-31", "n": "x"}
     chosen_ids, chosen = ml.newest_rows([*default, option])
     assert chosen_ids == ids and chosen == default
     # without any default row, the newest configuration is reported (e.g. an old model's rows)
     assert ml.newest_rows([option])[1] == [option]
+    # a default that depends on the kept fraction (the lambda_m schedule): each kept fraction's own
+    # default id is current, and keep 2% made with keep 10%'s coefficient is not
+    low = result_ids("arckv-ha", DEFAULT_MODEL_ID, 0.02)["config_id"]
+    assert low != ids["config_id"]
+    at_low = {**base, "ratio": "0.02", "config_id": low, "date": "2026-02-01", "n": "low"}
+    old_low = {**base, "ratio": "0.02", "config_id": ids["config_id"], "date": "2026-01-01", "n": "old"}
+    assert ml.newest_rows([*default, at_low, old_low])[1] == [*default, at_low]
+
+
+def test_results_doc_tables_are_the_generated_ones(ml):
+    """docs/results.md's per-benchmark tables are exactly what make_leaderboard writes from leaderboard.csv."""
+    repo = Path(__file__).resolve().parents[1]
+    rows = ml.read_csv(repo / "leaderboards" / "leaderboard.csv")
+    text = (repo / "docs" / "results.md").read_text(encoding="utf-8")
+    for name, benchmark, task, _ in ml.RESULT_TABLES:
+        start_mark, end_mark = ml.block_marks(name)
+        start, end = text.index(start_mark), text.index(end_mark)
+        assert text[start + len(start_mark):end].strip("\n") == ml.benchmark_markdown(rows, benchmark, task), name
+
+
+def test_benchmark_table_from_rows(ml, tmp_path):
+    """A cell per (method, kept fraction) present, ``-`` for a missing one, the references on every
+    column, needles as found/total; a doc without a block's markers is refused unchanged."""
+    def row(method, ratio, score, n="10", bench="ruler", task="ruler"):
+        return {"benchmark": bench, "task": task, "method": method, "ratio": ratio, "score": score, "n_examples": n}
+
+    rows = [row("arckv", "0.1", "0.5"), row("arckv", "0.05", "0.25"), row("snapkv", "0.1", "0.125"),
+            row("none", "1", "0.75"), row("arckv", "0.1", "0.9", task="cwe"),
+            row("arckv", "0.1", "0.6", "5", "needle", "needle")]
+    assert ml.benchmark_markdown(rows, "ruler", "ruler").splitlines() == [
+        "| method | keep 10% | keep 5% |", "|---|---:|---:|", "| `arckv` | 0.50 | 0.25 |", "| `snapkv` | 0.12 | - |",
+        "| full cache | 0.75 | 0.75 |"]
+    assert ml.benchmark_markdown(rows, "needle", "needle").splitlines()[2] == "| `arckv` | 3/5 |"
+    doc = tmp_path / "results.md"
+    doc.write_text("no markers\n")
+    with pytest.raises(ValueError, match="must contain the lines"):
+        ml.update_results_doc(doc, rows)
+    assert doc.read_text() == "no markers\n"

@@ -31,7 +31,8 @@ from arckv_press.indexer.checkpoint import save_indexer
 from arckv_press.indexer.model import IndexerConfig, ValueAwareIndexer
 from arckv_press.models import config_hash, describe_attention_layout, model_id
 from arckv_press.presses import ARCKVPress, AttentionMatchingPress
-from arckv_press.registry import METHOD_NAMES, METHODS, describe_methods, make_press, prefill_with_press
+from arckv_press.methods import METHOD_NAMES, METHODS
+from arckv_press.registry import describe_methods, make_press, prefill_with_press
 
 TINY_INIT = 0.2
 QUESTIONS_TINY = ["what is the secret code ?", "what is the name ?", "city ?"]
@@ -309,6 +310,38 @@ def test_registry_names_and_constructors():
         assert type(p) is cls and p.compression_ratio == 0.9
     assert make_press("snapkv", 0.25, window_size=8).window_size == 8
     assert make_press("knorm", 1.0).compression_ratio == 0.0
+
+
+def test_one_method_definition_round_trips_through_presses_configs_and_layers():
+    """Every name of arckv_press.methods builds a press of its own press class whose ``method`` is that
+    name again, with the selector / variant of the definition; the compaction config and the layer
+    method accept exactly ARC-KV and Attention Matching names; lookups fail with the valid names."""
+    from arckv_press.api import CompactionConfig
+    from arckv_press.compaction.layer import LayerMethod
+    from arckv_press.methods import COMPACTION_METHODS, Method, am_method, arckv_method, method
+
+    assert COMPACTION_METHODS == tuple(n for n in METHOD_NAMES if METHODS[n].family in ("arckv", "am"))
+    for name, spec in METHODS.items():
+        assert method(name) is spec and spec.name == name
+        press = make_press(name, 0.5)
+        if spec.family == "none":
+            assert press is None and spec.press_class() is None
+            continue
+        assert type(press) is spec.press_class()
+        if spec.ours:
+            assert press.method == name and press.compaction_config().method == name
+            assert LayerMethod(name).definition is spec and CompactionConfig(method=name).family == spec.family
+            found = arckv_method(spec.selector) if spec.family == "arckv" else am_method(spec.variant)
+            assert found is spec
+            assert (press.selector if spec.family == "arckv" else press.variant) == (spec.selector or spec.variant)
+        else:
+            with pytest.raises(ValueError, match=f"unknown method '{name}'; valid methods: arckv, arckv-ha"):
+                CompactionConfig(method=name)
+    assert [m.name for m in METHODS.values() if m.uses_indexer] == ["arckv"]
+    with pytest.raises(ValueError, match="unknown method 'h2o'"):
+        method("h2o")
+    with pytest.raises(ValueError, match="ARC-KV methods have a selector"):
+        Method("x", "kvpress", "d", selector="ha")
 
 
 @pytest.mark.parametrize("name", METHOD_NAMES)

@@ -221,3 +221,14 @@ def test_option_argument_collects_a_dict_and_press_options_split_it():
     assert press_options("snapkv", args.options) == {} and press_options("arckv-ha", {}) == {}
     with pytest.raises(ValueError, match="unknown method"):
         press_options("nope", {})
+
+
+def test_bench_fidelity_refuses_to_run_without_the_essays(monkeypatch, tmp_path):
+    """Its rows and stored reference NLLs are keyed by document index: without the essays it stops
+    before loading a model, instead of measuring the noise haystack against the essays' references."""
+    bench = load_script("bench_fidelity")
+    monkeypatch.setattr("arckv_press.haystack.default_haystack_path", lambda: None)
+    monkeypatch.setattr("arckv_press.models.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(SystemExit, match="pg_essays.txt"):
+        bench.main(["--methods", "arckv-ha", "--ratios", "0.1", "--docs", "1", "--out", str(tmp_path / "f.csv")])
+    assert not (tmp_path / "f.csv").exists()

@@ -27,13 +27,12 @@ from arckv_press.compaction.reference import grouped_rows
 from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, vi_scores
 from arckv_press.compaction.stats import ReferenceStats
 from arckv_press.compaction.witness import block_witnesses, fit_positions_with_witnesses, head_fit_rows
+from arckv_press.methods import Method
+from arckv_press.methods import method as lookup_method
 
-__all__ = ["LayerMethod", "LayerResult", "compact_layer", "compact_layer_from_stats", "anchor_scores",
-           "ARCKV_SELECTORS", "AM_VARIANTS", "FIT_SCOPES"]
+__all__ = ["LayerMethod", "LayerResult", "compact_layer", "compact_layer_from_stats", "anchor_scores", "FIT_SCOPES"]
 
-ARCKV_SELECTORS = {"arckv": "indexer", "arckv-ha": "ha", "arckv-vi": "vi"}
 FIT_SCOPES = ("all", "merged")
-AM_VARIANTS = {"am-omp": "omp", "am-omp-fast": "omp-fast", "am-ha": "ha"}
 
 
 @dataclass
@@ -81,18 +80,20 @@ class LayerMethod:
         if self.verbatim_fraction is not None and not (isinstance(self.verbatim_fraction, (int, float))
                                                        and 0.0 < self.verbatim_fraction <= 1.0):
             raise ValueError(f"verbatim_fraction must be in (0, 1] or None, got {self.verbatim_fraction!r}")
-        if self.name not in ARCKV_SELECTORS and self.name not in AM_VARIANTS:
-            raise ValueError(
-                f"unknown compaction method {self.name!r}; expected one of "
-                f"{sorted(ARCKV_SELECTORS) + sorted(AM_VARIANTS)}"
-            )
+        lookup_method(self.name, ours=True)
         if not 0.0 <= self.lambda_m <= 1.0:
             raise ValueError(f"lambda_m must be in [0, 1], got {self.lambda_m}")
-        if self.name in AM_VARIANTS and self.fit.values != "fit":
+        if self.definition.family == "am" and self.fit.values != "fit":
             raise ValueError(
                 f"fit.values={self.fit.values!r} applies to ARC-KV methods only; the Attention Matching "
                 f"baseline {self.name!r} always fits C_v (paper Eq. (value_lstsq))"
             )
+
+
+    @property
+    def definition(self) -> Method:
+        """The :class:`~arckv_press.methods.Method` called ``name``."""
+        return lookup_method(self.name, ours=True)
 
 
 @dataclass
@@ -145,7 +146,7 @@ def anchor_scores(
 ) -> torch.Tensor:
     """Pooled anchor scores ``[H, T]`` of an ARC-KV method (learned indexer, HA or VI; Eq.
     (indexer_pooling) with ``method.pooling``) from reference queries ``Q [H, n, D]``."""
-    selector = ARCKV_SELECTORS.get(method.name)
+    selector = method.definition.selector
     if selector is None:
         raise ValueError(f"method {method.name!r} does not select anchors by scores")
     if selector == "indexer":
@@ -183,11 +184,12 @@ def compact_layer(
     """
     timings: dict[str, float] = {}
     watch = _Stopwatch(timings)
-    if method.name in AM_VARIANTS:
+    variant = method.definition.variant
+    if variant is not None:
         if fit_positions is not None:
             raise ValueError(f"fit_positions applies to ARC-KV methods only, not {method.name!r}")
         with watch("am_total"):
-            C_k, beta, C_v, idx, valid = am_compact(Q, K, V, budgets, scaling, AM_VARIANTS[method.name])
+            C_k, beta, C_v, idx, valid = am_compact(Q, K, V, budgets, scaling, variant)
         idx, valid, C_k, beta, C_v = _prefix_order(idx, valid, C_k, beta, C_v)
         return LayerResult(C_k, beta, C_v, valid, idx, None, timings, Q.shape[1])
 
@@ -244,7 +246,7 @@ def compact_layer_from_stats(
     stage reads all of ``Q`` against all of ``K`` again. A head keeping more than
     ``method.verbatim_fraction`` of the positions keeps its anchors unmerged and unfitted.
     """
-    if method.name not in ARCKV_SELECTORS:
+    if method.definition.family != "arckv":
         raise ValueError(f"compact_layer_from_stats is for ARC-KV methods, not {method.name!r}")
     if tuple(Q.shape[:2]) != (stats.H, stats.G * stats.N) or tuple(K.shape[:2]) != (stats.H, stats.T):
         raise ValueError(f"Q {tuple(Q.shape)} and K {tuple(K.shape)} do not match the reference statistics "

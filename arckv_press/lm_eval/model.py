@@ -93,13 +93,12 @@ from tqdm import tqdm
 from arckv_press.cache import cache_nbytes, cache_snapshot, restore_cache
 from arckv_press.compaction.checks import check_ratio
 from arckv_press.lm_eval import MODEL_NAME
+from arckv_press.generation import greedy_decode
 
 logger = logging.getLogger(__name__)
 
 DOC_START = "<document>\n"  # same strings as tasks/_common/doc_markers.py (checked by the tests)
 DOC_END = "\n</document>\n"
-
-OUR_FAMILIES = ("arckv", "am")
 
 __all__ = [
     "DOC_END",
@@ -318,7 +317,7 @@ class HFArcKV(HFLM):
         device: str | None = None,
         **kwargs: Any,
     ) -> None:
-        from arckv_press.registry import METHODS
+        from arckv_press.methods import METHODS
 
         press = str(press)
         if press not in METHODS:
@@ -350,6 +349,7 @@ class HFArcKV(HFLM):
         self.drop_document = drop_document
         self.ratio = float(ratio)
         self.family = METHODS[press].family
+        self._ours = METHODS[press].ours
         self.max_cached_docs = max_cached_docs
         self._press = self._make_press(press_options)
         self._docs: OrderedDict[tuple, _DocEntry] = OrderedDict()
@@ -365,7 +365,7 @@ class HFArcKV(HFLM):
         from arckv_press.api import config_id
         from arckv_press.registry import indexer_id, make_press
 
-        if self.family in OUR_FAMILIES:
+        if self._ours:
             options.setdefault("tokenizer", self.tokenizer)
         if self.press_name == "arckv" and "indexer" not in options and self.ratio < 1.0:
             from arckv_press.indexer.checkpoint import default_indexer_path
@@ -380,7 +380,7 @@ class HFArcKV(HFLM):
         press = make_press(self.press_name, self.ratio, **options)
         self._indexer_id = indexer_id(self.press_name, model_id(self.model), options.get("indexer")) if press is not None and self.ratio < 1.0 else ""
         self._config_id = ""
-        if press is not None and self.family in OUR_FAMILIES:
+        if press is not None and self._ours:
             config = press.compaction_config()  # validate now, not at the first document
             self._config_id = config_id(config) if self.ratio < 1.0 else ""
         return press
@@ -475,7 +475,7 @@ class HFArcKV(HFLM):
         t0 = time.perf_counter()
         with torch.inference_mode():
             self._set_masked_keys(None)
-            if self._press is not None and self.family in OUR_FAMILIES:
+            if self._press is not None and self._ours:
                 config = self._press.compaction_config()
                 method = config.method
                 if n_doc < config.min_length:
@@ -747,31 +747,16 @@ class HFArcKV(HFLM):
         return _DocRequest(index, inp, doc_start, doc_end)
 
     def _greedy(self, entry: _DocEntry, req: _DocRequest, until: list[str], max_gen_toks: int) -> list[int]:
-        eos = self.model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        """Greedy tokens after the document (:func:`~arckv_press.generation.greedy_decode`), ending at
+        EOS or once the last 64 tokens decode to text holding a stop sequence of ``until``."""
         stops = [s for s in until if s]
-        out: list[int] = []
+        stop = (lambda out: any(s in self.tokenizer.decode(out[-64:]) for s in stops)) if stops else None
         rest = req.ids[req.doc_end :]
-        try:
-            with torch.inference_mode():
-                logits = self._forward_rest(entry, rest, 1)
-                position = entry.length + len(rest)
-                for step in range(max_gen_toks):
-                    token = int(logits[-1].argmax())
-                    if token in eos_ids:
-                        break
-                    out.append(token)
-                    if stops and any(s in self.tokenizer.decode(out[-64:] if len(out) > 64 else out) for s in stops):
-                        break
-                    if step + 1 == max_gen_toks:
-                        break
-                    ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-                    pos = torch.tensor([[position]], device=self.device)
-                    logits = self.model(input_ids=ids, past_key_values=entry.cache, position_ids=pos, use_cache=True).logits[0]
-                    position += 1
-        finally:
-            restore_cache(entry.cache, entry.state)
-        return out
+        ids = torch.tensor([rest], dtype=torch.long, device=self.device)
+        pos = torch.arange(entry.length, entry.length + len(rest), device=self.device)[None]
+        with torch.inference_mode(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                                    enabled=self.mixed_precision_dtype is not None):
+            return greedy_decode(self.model, entry.cache, ids, pos, max_gen_toks, stop=stop, state=entry.state)[0]
 
     def _postprocess(self, tokens: list[int], until: list[str]) -> str:
         """HFLM's post-processing of generated tokens (thinking tokens, stop sequences)."""

@@ -1,0 +1,473 @@
+#!/usr/bin/env python
+"""Compaction cost: per-stage wall time of ARC-KV and the Attention-Matching baselines on the
+default model, kvpress's presses end to end, and a head-level sweep on synthetic tensors.
+
+Model part (per context length and kept fraction rho): the context (Paul Graham essays, framed
+as in kvpress's pipeline) is prefilled once per length (median of ``--repeats`` prefills after a
+warm-up one); each ARC-KV / AM method then compacts a copy of that prefilled cache with
+:func:`arckv_press.api.compact_prefilled` and we read ``cache.report.timings``:
+``repeat_prefill`` (the reference pass; for ARC-KV it includes ``reference_stats``, the statistics
+its attention gathers), ``selection`` (top-t after the pass; the learned indexer's scoring),
+``fit_rows`` (the anchors' witness rows), ``merge`` (key merging), ``beta_fit``, ``value_fit``
+(C_v) for ARC-KV, ``am_total`` (select + fit) for AM, plus ``compact_total`` (wall time of the
+whole call, repeat-prefill included, prefill excluded). kvpress presses (SnapKV, KVzip, Expected
+Attention) are timed end to end (``press_total``: the prefill inside ``with press(model)`` plus
+the compression); ``beyond_prefill`` subtracts the median prefill. Rows are written after each
+method, so an interrupted run keeps what it measured; ``--summary`` prints the summary and ratios
+of the last run from the CSV. ``--option KEY=VALUE`` times a ``CompactionConfig`` option
+(e.g. ``max_head_multiple=4.0``); its rows carry that option's ``config_id``.
+
+Printed from the same run, against the goals of the fast-compaction issue: ARC-KV's
+post-repeat time (everything after the repeat-prefill) / one prefill, the repeat-prefill / one
+prefill, AM's select + fit / ARC-KV's post-repeat time, end-to-end AM / ARC-KV, the learned
+indexer's selection / HA's (in-pass statistics included) and the post-repeat growth between
+lengths.
+
+Synthetic part: the default ARC-KV pipeline on random ``K, V [H, T, D]`` and one reference row per
+query head and position (``Q [H, G, T, D]``, H = 3, G = 3, D = 64): the statistics pass
+(``reference_pass``, which the repeat-prefill does on a model) and everything after it
+(``post``: top-t, witnesses, merging, fits), against ``am_compact(..., "omp-fast")`` on
+n = max(``--queries`` (2048), 2 t) rows, T from 1024 up to ``--max-T``. OMP-fast is not run at a
+length once a shorter one took more than ``--omp-cap`` seconds. When the default model's indexer
+is shipped, its anchor selection (layer 0's parameters on the budget rows) is timed too.
+
+    python scripts/bench_compaction.py --quick
+    python scripts/bench_compaction.py --lengths 1K 2K 4K 8K --repeats 3 --max-T 65536
+    python scripts/bench_compaction.py --summary --methods arckv-ha am-omp-fast --ratios 0.1 --lengths 4K 8K
+
+Writes ``leaderboards/bench_compaction.csv`` (long format: one row per section / method / rho /
+length / stage, seconds = median over repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from arckv_press.bench import ROOT
+from arckv_press.methods import COMPACTION_METHODS
+from arckv_press.runinfo import (
+    add_option_argument,
+    append_rows,
+    median_seconds,
+    parse_length,
+    print_header,
+    run_meta,
+)
+
+DEFAULT_OUT = ROOT / "leaderboards" / "bench_compaction.csv"
+KVPRESS_METHODS = ("snapkv", "kvzip", "expected_attention")  # the kvpress presses timed by default
+ARCKV_STAGES = ("repeat_prefill", "reference_stats", "selection", "fit_rows", "merge", "beta_fit", "value_fit")
+FIELDS = ["section", "method", "ratio", "length", "stage", "seconds", "repeats", "threads", "dtype", "indexer",
+          "config_id", "command", "date", "package_version", "machine"]
+
+
+def median_stages(runs: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for r in runs for k in r})
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
+
+
+def clone_cache(model, cache):
+    """A new DynamicCache holding copies of ``cache``'s keys and values (compaction replaces layers)."""
+    from transformers import DynamicCache
+
+    new = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        new.update(layer.keys.clone(), layer.values.clone(), i)
+    return new
+
+
+def document_ids(tok, haystack: str, length: int) -> tuple[torch.Tensor, int]:
+    """``prefix + document`` ids with a document of ``length`` haystack tokens."""
+    from arckv_press.capture import encode_document
+
+    doc = tok.encode(haystack[: length * 8], add_special_tokens=False)
+    if len(doc) < length:
+        raise ValueError(f"the haystack has only {len(doc)} tokens, {length} needed")
+    return encode_document(tok, tok.decode(doc[:length]))
+
+
+def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float,
+                   options: dict | None = None) -> tuple[dict[str, float], int]:
+    """One ``compact_prefilled`` on a copy of the prefilled cache: its report's stage timings and
+    the reference rows per KV head that merging and the fits used (max over layers). ``options``:
+    further :class:`~arckv_press.api.CompactionConfig` fields (``--option``)."""
+    from arckv_press.api import CompactionConfig, compact_prefilled
+    from arckv_press.attention import disable_compact_attention
+
+    work = clone_cache(model, cache)
+    config = CompactionConfig(method=method, ratio=ratio, **(options or {}))
+    try:
+        t0 = time.perf_counter()
+        result = compact_prefilled(model, tok, work, ids, prefix_len, config, already_prefilled=True)
+        total = time.perf_counter() - t0
+    finally:
+        disable_compact_attention(model)
+    stages = {k: v for k, v in result.report.timings.items() if k != "prefill"}
+    stages["compact_total"] = total
+    return stages, result.report.reference_rows
+
+
+def run_press(model, name: str, ratio: float, ids) -> float:
+    from transformers import DynamicCache
+
+    from arckv_press.registry import make_press
+
+    press = make_press(name, ratio)
+    cache = DynamicCache(config=model.config)
+    t0 = time.perf_counter()
+    with press(model):
+        model.model(input_ids=ids, past_key_values=cache)
+    return time.perf_counter() - t0
+
+
+def model_section(args, meta: dict) -> list[dict]:
+    from arckv_press.api import CompactionConfig
+    from arckv_press.haystack import load_haystack
+    from arckv_press.models import load_model, model_id
+
+    model, tok = load_model(args.model, dtype=args.dtype)
+    mid = model_id(model)
+    dtype = str(model.dtype).removeprefix("torch.")
+    methods = list(args.methods)
+    if "arckv" in methods:
+        from arckv_press.indexer.checkpoint import default_indexer_path
+
+        if default_indexer_path(mid) is None:
+            print(f"arckv: skipped (no value-aware indexer is shipped for {mid})")
+            methods.remove("arckv")
+    print(f"model {mid}, {dtype}; methods {' '.join(methods)}; rho {' '.join(f'{r:g}' for r in args.ratios)}; "
+          f"lengths {' '.join(map(str, args.lengths))}; median of {args.repeats} repeat(s)\n", flush=True)
+    haystack = load_haystack(args.haystack)
+    rows: list[dict] = []
+    results: dict[tuple, dict[str, float]] = {}
+    method_ids = current_ids(mid, args.options)
+
+    def record(method, ratio, length, stages):
+        """Keep a method's stage times and write them at once (an interrupted run keeps them); the
+        summary uses the written (rounded) values, so ``--summary`` prints the same figures."""
+        results[(method, ratio, length)] = {k: float(f"{v:.4f}") for k, v in stages.items()}
+        new = [{"section": "model", "method": method, "ratio": f"{ratio:g}", "length": length, "stage": stage,
+                "seconds": f"{sec:.4f}", "repeats": args.repeats, "threads": torch.get_num_threads(),
+                "dtype": dtype, **(method_ids(method, ratio) if method != "none" else {}), **meta} for stage, sec in stages.items()]
+        append_rows(args.out, new, FIELDS)
+        rows.extend(new)
+
+    with torch.inference_mode():
+        # warm-up (untimed): a prefill and each kvpress press on a short context; each ARC-KV / AM
+        # method's layer compaction on synthetic tensors (compact_prefilled itself refuses documents
+        # shorter than query_budget / G tokens when the prefill was run outside it)
+        from arckv_press.capture import prefill
+        from arckv_press.compaction.layer import compact_layer
+
+        warm_ids, _ = document_ids(tok, haystack, 256)
+        prefill(model, warm_ids)
+        gen = torch.Generator().manual_seed(args.seed)
+        Kw, Vw, Qw = (torch.randn(3, m, 64, generator=gen) for m in (512, 512, 256))
+        for method in methods:
+            if method in KVPRESS_METHODS:
+                run_press(model, method, args.ratios[0], warm_ids)
+            elif method != "arckv":
+                compact_layer(Kw, Vw, Qw, torch.full((3,), 51), 0.125, CompactionConfig(method=method).layer_method())
+
+        for length in args.lengths:
+            ids, prefix_len = document_ids(tok, haystack, length)
+            pre = median_seconds(partial(prefill, model, ids), args.repeats)  # warm-up at this length
+            record("none", 1.0, length, {"prefill": pre})
+            print(f"{length} tokens (+{prefix_len} prefix): prefill {pre:.2f} s", flush=True)
+            cache = prefill(model, ids)
+            for ratio in args.ratios:
+                for method in methods:
+                    if method in KVPRESS_METHODS:
+                        total = median_seconds(partial(run_press, model, method, ratio, ids), args.repeats, warmup=0)
+                        stages = {"press_total": total, "beyond_prefill": total - pre}
+                        fit_rows = ""
+                    else:
+                        runs = [run_compaction(model, tok, cache, ids, prefix_len, method, ratio, args.options)
+                                for _ in range(args.repeats)]
+                        stages = median_stages([r for r, _ in runs])
+                        fit_rows = f" (fit rows per KV head, max over layers: {runs[0][1]})"
+                    record(method, ratio, length, stages)
+                    shown = " ".join(f"{k} {v:.2f}" for k, v in stages.items()) + fit_rows
+                    print(f"  rho {ratio:<5g} {method:<19} {shown}", flush=True)
+    print_model_summary(results, args, methods)
+    return rows
+
+
+def print_model_summary(results: dict, args, methods: list[str]) -> None:
+    print("\nper-stage seconds (median), model contexts:")
+    head = f"{'length':>6} {'rho':>5} {'method':<19}" + "".join(f"{s:>15}" for s in (*ARCKV_STAGES, "am_total", "total"))
+    print(head)
+    print("-" * len(head))
+    for length in args.lengths:
+        for ratio in args.ratios:
+            for method in methods:
+                st = results.get((method, ratio, length))
+                if st is None:
+                    continue
+                total = st.get("compact_total", st.get("press_total", float("nan")))
+                cells = [st.get(s) for s in (*ARCKV_STAGES, "am_total")]
+                print(f"{length:>6} {ratio:>5g} {method:<19}" + "".join(f"{c:>15.2f}" if c is not None else f"{'-':>15}"
+                                                                       for c in cells) + f"{total:>15.2f}")
+    print("(total: compact_total = repeat-prefill + per-layer compaction, prefill excluded; kvpress: prefill + "
+          "compression)")
+
+    print("\nratios from this run (issue goals in brackets; post = everything after the repeat-prefill):")
+    for length in args.lengths:
+        if ("none", 1.0, length) not in results:  # an interrupted run (--summary) that did not reach it
+            continue
+        pre = results[("none", 1.0, length)]["prefill"]
+        for ratio in args.ratios:
+            for name in ("arckv", "arckv-ha", "arckv-vi"):  # each ARC-KV variant of the run against OMP
+                arc = results.get((name, ratio, length))
+                if arc is None:
+                    continue
+                post = post_repeat(arc)
+                parts = [f"{length:>6} tok, rho {ratio:g}, {name}: post/prefill {post / pre:.2f} "
+                         f"[<= 0.5 at 4K, 0.75 at 8K]; repeat/prefill {arc.get('repeat_prefill', 0.0) / pre:.2f} [<= 1.5]"]
+                for omp, goal, e2e_goal in (("am-omp-fast", 10, 2), ("am-omp", 25, 4)):
+                    o = results.get((omp, ratio, length))
+                    if o is not None:
+                        parts.append(f"{omp} select+fit / {name} post {o['am_total'] / post:.2f}x [>= {goal}]; "
+                                     f"end to end {o['compact_total'] / arc['compact_total']:.2f}x [>= {e2e_goal}, arckv-ha 4K]")
+                print("; ".join(parts))
+            idx, ha = results.get(("arckv", ratio, length)), results.get(("arckv-ha", ratio, length))
+            if idx is not None and ha is not None:
+                print(f"{length:>6} tok, rho {ratio:g}: indexer selection / HA selection "
+                      f"{selection_seconds(idx) / selection_seconds(ha):.2f} [<= 1.5 at 8K] "
+                      f"({selection_seconds(idx):.2f} s / {selection_seconds(ha):.2f} s, in-pass statistics included)")
+    for short, long in zip(args.lengths, args.lengths[1:]):
+        for ratio in args.ratios:
+            for name in ("arckv", "arckv-ha", "arckv-vi"):
+                a, b = results.get((name, ratio, short)), results.get((name, ratio, long))
+                if a is not None and b is not None:
+                    print(f"{name} rho {ratio:g}: post-repeat grows {post_repeat(b) / post_repeat(a):.2f}x from {short} "
+                          f"to {long} tokens [<= 2.5 from 4K to 8K]")
+
+
+def post_repeat(stages: dict[str, float]) -> float:
+    """Seconds of a compaction after its repeat-prefill: selection, witnesses, merging, fits, packing."""
+    return stages["compact_total"] - stages.get("repeat_prefill", 0.0)
+
+
+def selection_seconds(stages: dict[str, float]) -> float:
+    """Anchor selection: top-t and scoring after the pass plus the statistics gathered inside it."""
+    return stages.get("selection", 0.0) + stages.get("reference_stats", 0.0)
+
+
+def _synthetic_indexer(H: int, D: int):
+    """The default model's shipped indexer when its heads have this shape, else ``None``."""
+    from arckv_press.indexer.checkpoint import default_indexer_path, load_indexer
+    from arckv_press.models import DEFAULT_MODEL_ID
+
+    path = default_indexer_path(DEFAULT_MODEL_ID)
+    if path is None:
+        return None
+    indexer, _, _ = load_indexer(path, model_id=DEFAULT_MODEL_ID)
+    if (indexer.config.num_kv_heads, indexer.config.head_dim) != (H, D):
+        return None
+    return indexer
+
+
+def _indexer_selection(indexer, X, Q, K, V, budgets, scaling):
+    """ARC-KV's anchor selection with the learned indexer (layer 0): one scoring pass + top-t."""
+    from arckv_press.compaction.layer import LayerMethod, anchor_scores
+    from arckv_press.compaction.select import chunked_topk_anchors
+
+    method = LayerMethod("arckv")
+    scores = anchor_scores(method, Q, K, V, scaling, X, indexer, 0)
+    return chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
+
+
+def _fused_layer(K, V, Q4, budgets, scaling, method, base_rows, merge_rows) -> dict[str, float]:
+    """The default ARC-KV pipeline on one synthetic layer: the reference pass's statistics over every
+    row (as the repeat-prefill gathers them), then :func:`compact_layer_from_stats`; stage seconds."""
+    from arckv_press.compaction.layer import compact_layer_from_stats
+    from arckv_press.compaction.stats import ReferenceStats, split_attention
+
+    H, G, N, D = Q4.shape
+    T = K.shape[1]
+    t0 = time.perf_counter()
+    st = ReferenceStats(H, G, N, T, V.shape[-1])
+    split_attention(Q4, K, V, (0, T), scaling, 0, st.block, on_block=lambda a, blk: st.update(a, blk, V))
+    t1 = time.perf_counter()
+    res = compact_layer_from_stats(K, V, Q4.reshape(H, G * N, D), st.result(), budgets, scaling, method, base_rows,
+                                   merge_rows)
+    t2 = time.perf_counter()
+    return {"reference_pass": t1 - t0, **res.timings, "post": t2 - t1, "total": t2 - t0}
+
+
+def synthetic_section(args, meta: dict) -> list[dict]:
+    from arckv_press.api import CompactionConfig
+    from arckv_press.compaction.omp import am_compact
+    from arckv_press.compaction.reference import grouped_rows, subsample_rows
+
+    H, G, D = 3, 3, 64
+    scaling = D**-0.5
+    Ts = [T for T in (1024, 2048, 4096, 8192, 16384, 32768, 65536) if T <= args.max_T]
+    indexer = _synthetic_indexer(H, D)
+    config = CompactionConfig(method="arckv-ha")
+    method = config.layer_method()
+    print(f"\nsynthetic heads: H={H} KV heads, G={G} query heads each, D={D}, float32, T in {Ts}, "
+          f"rho {' '.join(f'{r:g}' for r in args.synthetic_ratios)}; median of {args.repeats} repeat(s).\n"
+          f"arckv-ha: the default pipeline, one reference row per query head and position (G T rows), its "
+          f"statistics pass ('pass', done inside the repeat-prefill on a model) and everything after it ('post': "
+          f"top-t, witnesses, merging on {config.merge_rows} rows, fits on the {config.query_budget} budget rows + "
+          f"witnesses). OMP-fast on n = max({args.queries}, 2t) rows. "
+          + ("Learned indexer: the shipped one, layer 0, on the budget rows." if indexer is not None else
+             "No learned indexer shipped."))
+    head = (f"{'T':>6} {'rho':>5} | {'pass s':>8} {'post s':>8} {'merge':>7} {'beta':>7} {'C_v':>7} {'total':>8} | "
+            f"{'idx-sel s':>9} | {'omp-fast s':>10} {'omp/post':>9}")
+    print(head)
+    print("-" * len(head), flush=True)
+    rows = []
+    gen = torch.Generator().manual_seed(args.seed)
+    omp_stopped = omp_skipped = False
+
+    def timing_row(method_name: str, ratio: float, T: int, stage: str, seconds: float) -> dict:
+        return {"section": "synthetic", "method": method_name, "ratio": f"{ratio:g}", "length": T, "stage": stage,
+                "seconds": f"{seconds:.4f}", "repeats": args.repeats, "threads": torch.get_num_threads(),
+                "dtype": "float32", **meta}
+
+    def budget_rows(T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = subsample_rows(T, config.query_budget // G, config.seed)
+        merge = pos[subsample_rows(pos.numel(), config.merge_rows // G, config.seed + 1)]
+        return grouped_rows(pos, T, G), grouped_rows(merge, T, G)
+
+    # warm-up (untimed)
+    Kw, Vw = torch.randn(H, 512, D, generator=gen), torch.randn(H, 512, D, generator=gen)
+    Qw = torch.randn(H, G, 512, D, generator=gen)
+    _fused_layer(Kw, Vw, Qw, torch.full((H,), 51), scaling, method, *budget_rows(512))
+    am_compact(Qw.reshape(H, -1, D)[:, :256], Kw, Vw, torch.full((H,), 51), scaling, "omp-fast")
+
+    for T in Ts:
+        K, V = torch.randn(H, T, D, generator=gen), torch.randn(H, T, D, generator=gen)
+        Q4 = torch.randn(H, G, T, D, generator=gen)
+        base, merge = budget_rows(T)
+        for ratio in args.synthetic_ratios:
+            t = max(1, int(ratio * T))
+            budgets = torch.full((H,), t)
+            arc = median_stages([_fused_layer(K, V, Q4, budgets, scaling, method, base, merge)
+                                 for _ in range(args.repeats)])
+            idx_sel = None
+            if indexer is not None:
+                Qb = Q4.reshape(H, -1, D)[:, base]
+                X = torch.randn(Qb.shape[1], indexer.config.d_x, generator=gen)
+                idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Qb, K, V, budgets, scaling),
+                                         args.repeats, warmup=0)
+                rows.append(timing_row("arckv", ratio, T, "selection", idx_sel))
+            omp = None
+            if not omp_stopped:
+                Qo = torch.randn(H, max(args.queries, 2 * t), D, generator=gen)
+                omp = median_seconds(partial(am_compact, Qo, K, V, budgets, scaling, "omp-fast"), args.repeats, warmup=0)
+                omp_stopped = omp > args.omp_cap
+            rows += [timing_row("arckv-ha", ratio, T, stage, sec) for stage, sec in arc.items()]
+            if omp is not None:
+                rows.append(timing_row("am-omp-fast", ratio, T, "total", omp))
+            idx_txt = f"{idx_sel:>9.2f}" if idx_sel is not None else f"{'-':>9}"
+            if omp is None:
+                omp_skipped = True
+                omp_txt = f"{'skipped':>10} {'-':>9}"
+            else:
+                omp_txt = f"{omp:>10.2f} {omp / arc['post']:>8.2f}x"
+            print(f"{T:>6} {ratio:>5g} | {arc['reference_pass']:>8.2f} {arc['post']:>8.2f} {arc.get('merge', 0):>7.2f} "
+                  f"{arc.get('beta_fit', 0):>7.2f} {arc.get('value_fit', 0):>7.2f} {arc['total']:>8.2f} | {idx_txt} | "
+                  f"{omp_txt}", flush=True)
+    if omp_skipped:
+        print(f"(OMP-fast not run beyond the first length where it took more than --omp-cap {args.omp_cap:g} s)")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", choices=[*COMPACTION_METHODS, *KVPRESS_METHODS], default=None,
+                   help="model-section methods (default: all; arckv only when an indexer is shipped)")
+    p.add_argument("--ratios", nargs="+", type=float, default=None, help="kept fractions (default 0.2 0.1 0.05 0.02 0.01)")
+    p.add_argument("--lengths", nargs="+", type=parse_length, default=None, help="context tokens (default 1K 2K 4K 8K)")
+    p.add_argument("--synthetic-ratios", nargs="+", type=float, default=[0.1], help="rho of the synthetic sweep")
+    p.add_argument("--max-T", type=int, default=None, help="longest synthetic length (default 65536; quick 4096)")
+    p.add_argument("--queries", type=int, default=2048, help="synthetic reference rows per head")
+    p.add_argument("--omp-cap", type=float, default=300.0, help="stop OMP-fast after a length taking longer (s)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats, median (default 3; quick 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="model dtype (default auto, load_model's default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--model", default=None, help="HF id or path (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--haystack", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-model", action="store_true", help="only the synthetic sweep")
+    p.add_argument("--skip-synthetic", action="store_true", help="only the model section")
+    p.add_argument("--quick", action="store_true", help="1K only, rho 0.1 and 0.02, one repeat, synthetic T <= 4096")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_option_argument(p)
+    p.add_argument("--summary", action="store_true",
+                   help="run nothing: print the model section's summary and ratios from --out (current options)")
+    args = p.parse_args(argv)
+    q = args.quick
+    args.methods = args.methods or [*COMPACTION_METHODS, *KVPRESS_METHODS]
+    args.ratios = args.ratios or ([0.1, 0.02] if q else [0.2, 0.1, 0.05, 0.02, 0.01])
+    args.lengths = args.lengths or ([1000] if q else [1000, 2000, 4000, 8000])
+    args.repeats = args.repeats or (1 if q else 3)
+    args.max_T = args.max_T or (4096 if q else 65536)
+    for r in [*args.ratios, *args.synthetic_ratios]:
+        if not 0.0 < r <= 1.0:
+            p.error(f"kept fractions must be in (0, 1], got {r}")
+    torch.set_num_threads(args.threads)
+    print_header("compaction cost (scripts/bench_compaction.py)", argv=None if argv is None else [sys.argv[0], *argv])
+    meta = run_meta()
+    if args.summary:
+        summary_from_csv(args)
+        return 0
+    rows = []
+    if not args.skip_model:
+        rows += model_section(args, meta)  # written method by method
+    if not args.skip_synthetic:
+        synthetic = synthetic_section(args, meta)
+        append_rows(args.out, synthetic, FIELDS)
+        rows += synthetic
+    print(f"\nwrote {len(rows)} rows to {args.out}")
+    return 0
+
+
+def current_ids(model_id: str, options: dict):
+    """The indexer and options ids a timing row of a method at a kept fraction carries
+    (``--option`` included, for ARC-KV / Attention Matching methods;
+    :class:`~arckv_press.runinfo.CurrentIds`)."""
+    from arckv_press.registry import press_options
+    from arckv_press.runinfo import CurrentIds
+
+    return CurrentIds(model_id, lambda method: press_options(method, options))
+
+
+def summary_from_csv(args) -> None:
+    """Print the model section's summary and ratios from ``args.out``, from the rows of one run: the
+    last one that wrote a row for these methods and lengths with the options they use now (with
+    ``--option``: those options). An interrupted run can still be summarised."""
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.runinfo import read_rows
+
+    model = args.model or DEFAULT_MODEL_ID
+    ids = current_ids(model, args.options)
+    rows = [r for r in read_rows(args.out) if r["section"] == "model" and int(r["length"]) in args.lengths
+            and (r["method"] == "none" or (r["method"] in args.methods and ids.matches(r)))]
+    if not rows:
+        raise SystemExit(f"{args.out} has no model-section rows for these methods and lengths")
+    last = (rows[-1]["date"], rows[-1]["command"])  # ratios of one run only: the one written last
+    results: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if (r["date"], r["command"]) == last:
+            results.setdefault((r["method"], float(r["ratio"]), int(r["length"])), {})[r["stage"]] = float(r["seconds"])
+    print(f"run of {last[0]} on {rows[-1]['machine']}: {last[1]}")
+    if not any(k[0] == "none" for k in results):
+        raise SystemExit(f"{args.out} has no prefill time at lengths {args.lengths}")
+    print_model_summary(results, args, [m for m in args.methods if any(k[0] == m for k in results)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

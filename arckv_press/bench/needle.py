@@ -1,0 +1,370 @@
+#!/usr/bin/env python
+"""Needle in a haystack: exact retrieval of a 7-digit number per method, kept fraction, context
+length and needle depth, on the default model with the Paul Graham essays.
+
+Each case is one call of kvpress's ``pipeline("kv-press-text-generation")`` with the method's
+press (``arckv_press.registry.make_press``), a RULER-style instruction before the haystack and
+the answer prefix "The special magic number for <city> mentioned in the provided text is" (the
+framing of ``arckv demo``). A case is correct when the needle's 7-digit value appears in the
+greedy answer as a whole number.
+
+    python scripts/needle.py --quick
+    python scripts/needle.py                       # full grid (hours on a CPU)
+    python scripts/needle.py --methods arckv-ha snapkv --ratios 0.1
+    python scripts/needle.py --plot-only
+
+Lengths are context tokens (instruction + haystack + needle; K = 1000 tokens, so the 8K point
+plus the chat framing and question stays inside the model's 8192 positions). Depth 0 puts the
+needle at the start of the haystack, 1 at its end.
+
+Writes ``leaderboards/needle.csv`` (one row per method / ratio / length / depth / seed; the
+full cache, method ``none``, once per length / depth / seed with ratio 1) and one heat map per
+kept fraction, ``leaderboards/needle_rho<ratio>.png`` (one panel per method, rows = depth,
+columns = length, colour = share of seeds answered correctly). Resumable: cases already in the
+CSV are skipped, so re-running with nothing missing only redraws the figures.
+
+Columns ``compaction_s`` (seconds inside ``with press(model)``: the context prefill plus the
+method's compression; for ``none`` the plain prefill) and ``answer_s`` (question + greedy
+answer). ``cache_bytes`` are the bytes the cache really holds after the answer was trimmed
+(``CompactLayer.nbytes()`` for ARC-KV / AM layers, ``keys.nbytes + values.nbytes`` otherwise).
+``masked`` is true when the press hides evicted positions behind a mask instead of removing
+them (kvpress's KVzip): such a cache holds the full size. ``indexer`` is the content id of the
+learned indexer checkpoint a method used (``arckv``; empty for the others) and ``config_id`` the
+id of its compaction options (ARC-KV and AM; ``arckv_press.registry.result_ids``): after a new
+checkpoint ships or a default changes, the affected cases run again and the figures and summary
+show only the rows made with what the methods use now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from arckv_press.bench import ROOT
+from arckv_press.runinfo import (
+    CurrentIds,
+    add_option_argument,
+    append_rows,
+    current_rows,
+    parse_length,
+    print_header,
+    read_rows,
+    run_meta,
+)
+
+DEFAULT_OUT = ROOT / "leaderboards" / "needle.csv"
+DEFAULT_METHODS = (
+    "arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha", "snapkv", "kvzip", "expected_attention",
+    "knorm", "streaming_llm",
+)
+QUICK = dict(methods=("arckv-ha", "am-omp-fast", "snapkv"), ratios=(0.1,), lengths=(1000, 2000), depths=(0.0, 0.5, 1.0))
+MAX_NEW_TOKENS = 12
+FIELDS = [
+    "method", "ratio", "length", "depth", "seed", "context_tokens", "needle", "answer", "correct",
+    "compaction_s", "answer_s", "cache_bytes", "masked", "indexer", "config_id", "model", "command", "date", "package_version", "machine",
+]
+
+
+def parse_unit(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def case_key(method: str, ratio, length, depth, seed) -> tuple:
+    return (method, round(float(ratio), 6), int(length), round(float(depth), 6), int(seed))
+
+
+def indexer_options(name: str, indexer: str | None, options: dict | None = None) -> dict:
+    """The press options of method ``name``: ``{"indexer": indexer}`` for a method that uses the
+    learned indexer when a checkpoint path is given (``--indexer``; else the shipped checkpoint),
+    plus the press arguments of the ``CompactionConfig`` fields ``options`` (``--option``,
+    :func:`arckv_press.registry.press_options`)."""
+    from arckv_press.methods import METHODS
+    from arckv_press.registry import press_options
+
+    out = {"indexer": indexer} if indexer is not None and METHODS[name].uses_indexer else {}
+    return {**out, **press_options(name, options)}
+
+
+def current_ids(mid: str, indexer: str | None = None, options: dict | None = None) -> CurrentIds:
+    """The indexer checkpoint id and compaction config id a result of a method at a kept fraction
+    must carry (:class:`~arckv_press.runinfo.CurrentIds`; empty strings where a method has none);
+    ``indexer``: the checkpoint path of ``--indexer`` (default: the shipped one); ``options``:
+    ``--option`` press options of the ARC-KV / AM methods."""
+    return CurrentIds(mid, lambda name: indexer_options(name, indexer, options))
+
+
+class TimedPress:
+    """Wraps a press so that the time spent inside ``with press(model)`` is recorded (the
+    pipeline's context prefill plus the compression, including work done when the block exits)."""
+
+    def __init__(self, press):
+        self.press = press
+        self.seconds = math.nan
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        t0 = time.perf_counter()
+        try:
+            with self.press(model) if self.press is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+
+def cache_bytes(cache) -> int:
+    from arckv_press.cache import cache_nbytes
+
+    return cache_nbytes(cache)
+
+
+def attention_modules(model):
+    from arckv_press.capture import decoder_layers
+
+    return [layer.self_attn for layer in decoder_layers(model)]
+
+
+def is_correct(value: str, answer: str) -> bool:
+    return re.search(rf"(?<!\d){re.escape(value)}(?!\d)", answer) is not None
+
+
+def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, indexer: str | None = None,
+             options: dict | None = None) -> dict:
+    """One pipeline call; restores the model's attention implementation afterwards."""
+    from transformers import DynamicCache
+
+    from arckv_press.attention import disable_compact_attention
+    from arckv_press.methods import METHODS
+    from arckv_press.registry import make_press
+
+    extra, options = options, {"tokenizer": tok} if METHODS[name].ours else {}
+    press = make_press(name, ratio, **options, **indexer_options(name, indexer, extra))
+    timed = TimedPress(press)
+    for module in attention_modules(model):  # stale KVzip masks from an earlier case
+        module.masked_key_indices = None
+    cache = DynamicCache(config=model.config)
+    try:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = pipe(context, question=needle.question, answer_prefix=needle.prefix(), press=timed,
+                       max_new_tokens=MAX_NEW_TOKENS, cache=cache)
+            total = time.perf_counter() - t0
+        masked = any(getattr(m, "masked_key_indices", None) is not None for m in attention_modules(model))
+        nbytes = cache_bytes(cache)
+    finally:
+        # The ARC-KV / AM presses leave the model on the ARC-KV attention: switch back after every
+        # case so that each case starts from the model's own attention implementation.
+        disable_compact_attention(model)
+    answer = out["answer"]
+    return {
+        "answer": answer.strip(), "correct": int(is_correct(needle.value, answer)),
+        "compaction_s": f"{timed.seconds:.3f}", "answer_s": f"{total - timed.seconds:.3f}",
+        "cache_bytes": nbytes, "masked": int(masked),
+    }
+
+
+def build_cases(args) -> list[tuple]:
+    cases = []
+    for length in args.lengths:
+        for depth in args.depths:
+            for seed in args.seeds:
+                if args.full_cache:
+                    cases.append(("none", 1.0, length, depth, seed))
+                for ratio in args.ratios:
+                    for method in args.methods:
+                        if method != "none":
+                            cases.append((method, ratio, length, depth, seed))
+    return cases
+
+
+def run(args, meta: dict) -> None:
+    from kvpress import KVPressTextGenerationPipeline  # noqa: F401  (registers the pipeline)
+    from tqdm.auto import tqdm
+    from transformers import pipeline
+
+    from arckv_press.cli import RULER_INSTRUCTION
+    from arckv_press.haystack import load_haystack, make_needle, needle_context
+    from arckv_press.methods import METHODS
+    from arckv_press.models import load_model, model_id
+
+    model, tok = load_model(args.model)
+    mid = model_id(model)
+    ids = current_ids(mid, args.indexer, args.options)
+    done = {case_key(r["method"], r["ratio"], r["length"], r["depth"], r["seed"]) for r in read_rows(args.out)
+            if r["method"] in {*args.methods, "none"} and ids.matches(r)}  # a new checkpoint or default reruns its methods
+    todo = [c for c in build_cases(args) if case_key(*c) not in done]
+    print(f"{len(todo)} cases to run, {len(build_cases(args)) - len(todo)} already in {args.out}", flush=True)
+    for name in args.methods:
+        if METHODS[name].uses_indexer and not ids(name, 1.0)["indexer"]:
+            print(f"skipping method {name}: no value-aware indexer is shipped for {mid}", flush=True)
+            todo = [c for c in todo if c[0] != name]
+    if not todo:
+        return
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok)
+    haystack = load_haystack(args.haystack)
+    instruction_len = len(tok.encode(RULER_INSTRUCTION, add_special_tokens=False))
+    contexts: dict[tuple, tuple] = {}
+    bar = tqdm(todo, unit="case", dynamic_ncols=True)
+    for method, ratio, length, depth, seed in bar:
+        bar.set_description(f"{method} rho={ratio:g} {length} tok depth={depth:g}")
+        if (length, depth, seed) not in contexts:
+            contexts.clear()
+            needle = make_needle(seed)
+            text = RULER_INSTRUCTION + needle_context(tok, haystack, length - instruction_len, depth, needle)
+            contexts[(length, depth, seed)] = (text, needle, len(tok.encode(text, add_special_tokens=False)))
+        text, needle, n_ctx = contexts[(length, depth, seed)]
+        torch.manual_seed(seed)
+        try:
+            result = run_case(pipe, model, tok, method, ratio, text, needle, args.indexer, args.options)
+        except ValueError as err:  # a method that cannot run here (e.g. context too short)
+            tqdm.write(f"skipped {method} rho={ratio:g} length={length} depth={depth:g}: {err}")
+            continue
+        row = {"method": method, "ratio": f"{ratio:g}", "length": length, "depth": f"{depth:g}", "seed": seed,
+               "context_tokens": n_ctx, "needle": needle.value, **result, **ids(method, ratio), "model": mid, **meta}
+        append_rows(args.out, [row], FIELDS)
+        mark = "OK" if result["correct"] else "--"
+        tqdm.write(f"{mark} {method:<19} rho={ratio:<5g} {length:>5} tok depth={depth:<4g} seed={seed} "
+                   f"{float(result['compaction_s']):7.1f} s  {result['answer']!r}")
+
+
+# ------------------------------------------------------------------------------------ plots
+
+
+def plot(csv_path: Path, out_dir: Path) -> list[Path]:
+    """One heat-map figure per kept fraction (full cache shown as the first panel of each)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = read_rows(csv_path)
+    if not rows:
+        print(f"nothing to plot: {csv_path} has no rows")
+        return []
+    rows = current_rows(rows, rows[-1]["model"])
+    acc: dict[tuple, list[int]] = defaultdict(list)
+    masked: set[str] = set()
+    for r in rows:
+        acc[(r["method"], float(r["ratio"]), int(r["length"]), float(r["depth"]))].append(int(r["correct"]))
+        if r["masked"] == "1":
+            masked.add(r["method"])
+    lengths = sorted({k[2] for k in acc})
+    depths = sorted({k[3] for k in acc})
+    ratios = sorted({k[1] for k in acc if k[0] != "none"}, reverse=True)
+    order = {name: i for i, name in enumerate(("none",) + DEFAULT_METHODS)}
+    model = rows[-1]["model"]
+    cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="#dddddd")
+    written = []
+    for ratio in ratios:
+        methods = sorted({k[0] for k in acc if k[1] == ratio}, key=lambda m: (order.get(m, 99), m))
+        panels = ([("none", 1.0)] if any(k[0] == "none" for k in acc) else []) + [(m, ratio) for m in methods]
+        ncols = min(4, len(panels))
+        nrows = math.ceil(len(panels) / ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(0.9 * len(lengths) * ncols + 1.5, 0.55 * len(depths) * nrows + 1.4),
+                                 squeeze=False, constrained_layout=True)
+        image = None
+        for ax, (method, r) in zip(axes.flat, panels):
+            grid = np.full((len(depths), len(lengths)), np.nan)
+            for i, d in enumerate(depths):
+                for j, n in enumerate(lengths):
+                    vals = acc.get((method, r, n, d))
+                    if vals:
+                        grid[i, j] = sum(vals) / len(vals)
+            image = ax.imshow(grid, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
+            for i in range(len(depths)):
+                for j in range(len(lengths)):
+                    if not np.isnan(grid[i, j]):
+                        ax.text(j, i, f"{grid[i, j]:.2g}", ha="center", va="center", fontsize=7)
+            mean = np.nanmean(grid) if np.isfinite(grid).any() else float("nan")
+            title = "full cache" if method == "none" else method
+            title += " (masked: full bytes)" if method in masked else ""
+            ax.set_title(f"{title}\nmean {mean:.2f}", fontsize=9)
+            ax.set_xticks(range(len(lengths)), [f"{n / 1000:g}K" for n in lengths], fontsize=7)
+            ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths], fontsize=7)
+            ax.set_xlabel("context tokens", fontsize=8)
+            ax.set_ylabel("needle depth", fontsize=8)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        if image is not None:
+            fig.colorbar(image, ax=axes, shrink=0.8, label="exact retrieval")
+        fig.suptitle(f"Needle in a haystack, kept fraction rho = {ratio:g} ({model}; grey: not run)", fontsize=10)
+        path = out_dir / f"needle_rho{ratio:g}.png"
+        fig.savefig(path, dpi=130)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def summary(csv_path: Path) -> None:
+    """Accuracy, median compaction seconds and median cache MiB per method, kept fraction and length."""
+    rows = read_rows(csv_path)
+    rows = current_rows(rows, rows[-1]["model"]) if rows else rows
+    by: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        by[(r["method"], float(r["ratio"]), int(r["length"]))].append(r)
+    print(f"\n{'method':<20}{'rho':>6}{'length':>8}{'cases':>7}{'accuracy':>10}{'median s':>10}{'MiB (med)':>11}")
+    for (method, ratio, length), rs in sorted(by.items(), key=lambda kv: (-kv[0][1], kv[0][0], kv[0][2])):
+        secs = sorted(float(r["compaction_s"]) for r in rs)
+        mib = sorted(int(r["cache_bytes"]) / 2**20 for r in rs)
+        note = "  masked: holds the full cache" if any(r["masked"] == "1" for r in rs) else ""
+        print(f"{method:<20}{ratio:>6g}{length:>8}{len(rs):>7}{sum(int(r['correct']) for r in rs) / len(rs):>10.2f}"
+              f"{secs[len(secs) // 2]:>10.1f}{mib[len(mib) // 2]:>11.2f}{note}")
+    print("(seconds: prefill + compression inside `with press(model)`; for none the prefill alone)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from arckv_press.methods import METHOD_NAMES
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", choices=[m for m in METHOD_NAMES], default=None,
+                   help=f"methods (default: {' '.join(DEFAULT_METHODS)}; the full cache runs unless --no-full-cache)")
+    p.add_argument("--ratios", nargs="+", type=parse_unit, default=None, help="kept fractions (default 0.2 0.1 0.05)")
+    p.add_argument("--lengths", nargs="+", type=parse_length, default=None, help="context tokens (default 1K 2K 4K 8K)")
+    p.add_argument("--depths", nargs="+", type=parse_unit, default=None, help="needle depths (default 0 .25 .5 .75 1)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0], help="needle seeds (default 0)")
+    p.add_argument("--quick", action="store_true",
+                   help="small grid: arckv-ha, am-omp-fast, snapkv at rho 0.1, 1K and 2K, depths 0 .5 1")
+    p.add_argument("--no-full-cache", dest="full_cache", action="store_false", help="do not run method none")
+    p.add_argument("--plot-only", action="store_true", help="only redraw the figures from the CSV")
+    p.add_argument("--model", default=None, help="HF id or path (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--indexer", default=None,
+                   help="indexer checkpoint dir for the methods that use one (default: the shipped one); rows record "
+                        "its id, and the summary and figures show the shipped checkpoint's rows only")
+    add_option_argument(p)
+    p.add_argument("--haystack", default=None, help="haystack text file (default: the Paul Graham essays)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"CSV (default {DEFAULT_OUT.relative_to(ROOT)})")
+    args = p.parse_args(argv)
+    grid = QUICK if args.quick else dict(methods=DEFAULT_METHODS, ratios=(0.2, 0.1, 0.05), lengths=(1000, 2000, 4000, 8000),
+                                         depths=(0.0, 0.25, 0.5, 0.75, 1.0))
+    for name, default in grid.items():
+        if getattr(args, name) is None:
+            setattr(args, name, list(default))
+    if "none" in args.methods:
+        args.methods = [m for m in args.methods if m != "none"]
+        args.full_cache = True
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    print_header("needle in a haystack (scripts/needle.py)", argv=None if argv is None else [sys.argv[0], *argv])
+    if not args.plot_only:
+        run(args, run_meta())
+    for path in plot(args.out, args.out.parent):
+        print(f"wrote {path}")
+    summary(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+#!/usr/bin/env python
+"""Run the lm-eval benchmarks (RULER, QuALITY, LongBench) for methods x kept fractions, resumably.
+
+One lm-eval run per (benchmark, method, ratio), in process with the ``hf-arckv`` model (the
+model is loaded once and shared by all runs), plus the full cache (method ``none``, ratio 1)
+and the no-context baseline (``drop_document=True``). Each run writes
+
+    <out>/<benchmark>/<method>_<ratio>/results.json        lm-eval's results (no samples)
+    <out>/<benchmark>/<method>_<ratio>/arckv_compaction.jsonl   one record per document
+    <out>/<benchmark>/<method>_<ratio>/requests.db          lm-eval's request cache (resume)
+
+A run whose ``results.json`` exists is skipped; an interrupted run resumes from its request
+cache (answered requests are not recomputed) and appends to its compaction records (a document
+compacted twice counts once, with its last record, in ``make_leaderboard.py``). Runs record the learned indexer
+checkpoint's id (``arckv``; ``arckv_run.indexer``, and ``indexer`` in each record) and the id of
+the compaction options (ARC-KV and AM; ``config_id``, :func:`arckv_press.api.config_id`); when
+another checkpoint is shipped or a default changes, such a folder moves to
+``archive/<out>_indexer_<old id>/`` or ``archive/<out>_config_<old id>/`` and the run starts afresh. ``scripts/make_leaderboard.py --results
+'<out>/**/results.json' --records '<out>/**/arckv_compaction.jsonl'`` turns the folder into the
+leaderboard.
+
+    python scripts/run_evals.py --benchmarks ruler --limit 2                   # every method, 5 ratios
+    python scripts/run_evals.py --benchmarks ruler quality --methods arckv snapkv --ratios 0.1
+    python scripts/run_evals.py --list                                         # the plan and what is done
+
+Sizes (defaults sized for a 2-core CPU, all recorded in ``results.json``): RULER at
+``--ruler-length`` tokens (default 2048) with ``--limit`` samples per task; QuALITY: the first
+``--limit`` questions of the local subset; LongBench: the tasks whose data is in
+``../shared/data/longbench`` (``--longbench-tasks``), prompts truncated to ``--longbench-length``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from arckv_press.bench import ROOT
+from arckv_press.methods import METHOD_NAMES
+
+DEFAULT_OUT = ROOT / "leaderboards" / "lm_eval"
+TASKS_DIR = Path(importlib.util.find_spec("arckv_press.tasks").submodule_search_locations[0])  # shipped tasks
+DEFAULT_METHODS = tuple(m for m in METHOD_NAMES if m != "none")  # every method; the full cache is a baseline run
+DEFAULT_RATIOS = (0.2, 0.1, 0.05, 0.02, 0.01)
+BENCHMARKS = ("ruler", "quality", "longbench")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One lm-eval run: a benchmark with one method at one kept fraction."""
+
+    benchmark: str
+    method: str  # a registry name, or "no-context"
+    ratio: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}_{self.ratio:g}"
+
+    def folder(self, out: Path) -> Path:
+        return out / self.benchmark / self.name
+
+
+def plan(benchmarks, methods, ratios, baselines: bool = True) -> list[Run]:
+    """Baselines first (full cache, no context), then methods from the mildest ratio down."""
+    runs = []
+    for bench in benchmarks:
+        if baselines:
+            runs += [Run(bench, "none", 1.0), Run(bench, "no-context", 1.0)]
+        runs += [Run(bench, m, r) for r in sorted(ratios, reverse=True) for m in methods if m != "none"]
+    return runs
+
+
+ID_KEYS = ("indexer", "config_id")  # what a stored run must match (arckv_press.registry.result_ids)
+
+
+def folder_ids(folder: Path) -> dict[str, str] | None:
+    """Indexer checkpoint id and compaction config id a run folder was made with (``results.json``,
+    else its first compaction record; ``""`` where it names none), ``None`` for a folder with neither."""
+    results = folder / "results.json"
+    if results.exists():
+        stored = json.loads(results.read_text(encoding="utf-8")).get("arckv_run", {})
+        return {key: str(stored.get(key) or "") for key in ID_KEYS}
+    records = folder / "arckv_compaction.jsonl"
+    if records.exists():
+        for line in records.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                stored = json.loads(line)
+                return {key: str(stored.get(key) or "") for key in ID_KEYS}
+    return None
+
+
+def finished(folder: Path, ids: dict[str, str]) -> bool:
+    """Whether ``folder`` holds a finished run made with the indexer checkpoint and compaction
+    options ``ids``."""
+    return (folder / "results.json").exists() and folder_ids(folder) == ids
+
+
+def retire_stale(run: Run, out: Path, ids: dict[str, str]) -> bool:
+    """Move a run folder made with another indexer checkpoint than ``ids`` to
+    ``archive/<out>_indexer_<old id>/<benchmark>/<name>`` (next to ``<out>``), or with other
+    compaction options (a changed default) to ``archive/<out>_config_<old id>/...`` (its request cache would replay the old answers);
+    returns whether the run is finished with the current ones."""
+    folder = run.folder(out)
+    stored = folder_ids(folder)
+    if stored is not None and stored != ids:
+        key = "indexer" if stored["indexer"] != ids["indexer"] else "config_id"
+        tag = key.removesuffix("_id")
+        dest = out.parent / "archive" / f"{out.name}_{tag}_{stored[key] or 'unknown'}" / run.benchmark / run.name
+        if dest.exists():
+            raise SystemExit(f"{folder} was made with {tag} {stored[key] or '(unknown)'}, and {dest} exists: move one away")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        folder.rename(dest)
+        print(f"moved {folder} ({tag} {stored[key] or 'unknown'}, now {ids[key] or 'none'}) to {dest}", flush=True)
+    return finished(folder, ids)
+
+
+def task_setup(run: Run, args) -> tuple[list[str], dict, int | None]:
+    """``(task names, metadata, limit)`` of a run."""
+    if run.benchmark == "ruler":
+        return ["ruler"], {"max_seq_lengths": [args.ruler_length], "num_samples": args.limit, "seed": 42}, None
+    if run.benchmark == "quality":
+        return ["quality"], {}, args.limit
+    tasks = [f"longbench_{t}" for t in args.longbench_tasks]
+    return tasks, {"max_length": args.longbench_length}, args.limit
+
+
+def model_args_string(run: Run, model_path: str | None, dtype: str) -> str:
+    """The ``--model_args`` an equivalent ``lm_eval --model hf-arckv`` command would take
+    (``model_path`` None: the embedded default model, which ``hf-arckv`` loads without ``pretrained``)."""
+    model = f"pretrained={model_path}," if model_path else ""
+    if run.method == "no-context":
+        return f"{model}press=none,ratio=1.0,drop_document=True,dtype={dtype}"
+    return f"{model}press={run.method},ratio={run.ratio:g},dtype={dtype}"
+
+
+def equivalent_command(run: Run, args, model_path: str | None) -> str:
+    tasks, metadata, limit = task_setup(run, args)
+    cmd = (f"lm_eval --model hf-arckv --model_args {model_args_string(run, model_path, args.dtype)} "
+           f"--tasks {','.join(tasks)} --device cpu --metadata '{json.dumps(metadata)}'")
+    return cmd + (f" --limit {limit}" if limit else "")
+
+
+def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[str, str] | None = None) -> dict:
+    """Run one (benchmark, method, ratio) and write its ``results.json``."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from arckv_press.lm_eval.model import HFArcKV
+    from arckv_press.models import model_id
+    from arckv_press.runinfo import machine_info
+
+    folder = run.folder(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    tasks, metadata, limit = task_setup(run, args)
+    drop = run.method == "no-context"
+    lm = HFArcKV(
+        pretrained=model, tokenizer=tokenizer, press="none" if drop else run.method, ratio=run.ratio,
+        drop_document=drop, records=str(folder / "arckv_compaction.jsonl"), append_records=True, batch_size=1,
+        max_length=args.max_length,
+    )
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=dict(metadata))
+    t0 = time.perf_counter()
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, limit=limit, task_manager=manager, metadata=dict(metadata),
+        use_cache=str(folder / "requests"), bootstrap_iters=0, log_samples=False,
+        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+    )
+    seconds = time.perf_counter() - t0
+    keep = ("results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
+    data = {k: results[k] for k in keep if k in results}
+    data["config"] = {"model": "hf-arckv", "model_args": model_args_string(run, model_path, args.dtype),
+                      "limit": limit, "metadata": metadata}
+    data["date"] = time.time()
+    data["model_name"] = model_id(model)  # the HF id, not a machine's local folder
+    data["arckv_run"] = {
+        "benchmark": run.benchmark, "method": run.method, "ratio": run.ratio, "seconds": seconds,
+        "command": equivalent_command(run, args, model_path), "machine": machine_info(),
+        **{key: (ids or {}).get(key, "") for key in ID_KEYS},
+    }
+    tmp = folder / "results.json.tmp"
+    tmp.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+    tmp.replace(folder / "results.json")
+    return data
+
+
+def summary_line(data: dict) -> str:
+    parts = []
+    for task, values in sorted(data["results"].items()):
+        score = next((v for k, v in values.items() if "stderr" not in k and isinstance(v, (int, float))
+                      and k.split(",")[0] in ("score", "acc", "exact_match", "qa_f1_score", "rouge_score",
+                                               "classification_score", "retrieval_score", "count_score",
+                                               "code_sim_score", "rouge_zh_score", "qa_f1_zh_score")), None)
+        if score is not None:
+            parts.append(f"{task}={score:.3f}")
+    return " ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--benchmarks", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS))
+    p.add_argument("--ratios", nargs="+", type=float, default=list(DEFAULT_RATIOS))
+    p.add_argument("--no-baselines", dest="baselines", action="store_false", help="skip full cache and no context")
+    p.add_argument("--limit", type=int, default=2, help="RULER samples per task; QuALITY/LongBench questions per task")
+    p.add_argument("--ruler-length", type=int, default=2048)
+    p.add_argument("--longbench-tasks", nargs="+", default=["passage_retrieval_zh", "multifieldqa_zh"])
+    p.add_argument("--longbench-length", type=int, default=3500)
+    p.add_argument("--max-length", type=int, default=8192, help="model context window given to lm-eval")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--list", action="store_true", help="print the plan and which runs are done, run nothing")
+    args = p.parse_args(argv)
+
+    from arckv_press.methods import METHODS
+
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        p.error(f"unknown methods {unknown}; valid: {sorted(METHODS)}")
+    bad = [r for r in args.ratios if not 0.0 < r < 1.0]
+    if bad:
+        p.error(f"ratios are kept fractions in (0, 1), got {bad}")
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.registry import result_ids
+
+    runs = plan(args.benchmarks, args.methods, args.ratios, args.baselines)
+    ids = {r: result_ids(r.method, DEFAULT_MODEL_ID, r.ratio) if r.method in METHODS else dict.fromkeys(ID_KEYS, "")
+           for r in runs}
+    if args.list:  # report only: nothing is moved
+        todo = [r for r in runs if not finished(r.folder(args.out), ids[r])]
+    else:
+        todo = [r for r in runs if not retire_stale(r, args.out, ids[r])]
+    print(f"{len(runs)} runs planned, {len(runs) - len(todo)} done, {len(todo)} to run", flush=True)
+    if args.list:
+        for r in runs:
+            print(("done " if r not in todo else "todo ") + f"{r.benchmark:10s} {r.name}")
+        return 0
+    if not todo:
+        return 0
+
+    import torch
+
+    from arckv_press.lm_eval.model import default_model_path
+    from arckv_press.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(default_model_path(), dtype=getattr(torch, args.dtype))
+    for i, run in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] {run.benchmark} {run.name}", flush=True)
+        data = execute(run, args, model, tokenizer, None, ids[run])
+        print(f"    {data['arckv_run']['seconds']:.0f}s  {summary_line(data)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
