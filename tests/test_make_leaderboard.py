@@ -406,8 +406,57 @@ def test_benchmark_table_from_rows(ml, tmp_path):
         "| method | keep 10% | keep 5% |", "|---|---:|---:|", "| `arckv` | 0.50 | 0.25 |", "| `snapkv` | 0.12 | - |",
         "| full cache | 0.75 | 0.75 |"]
     assert ml.benchmark_markdown(rows, "needle", "needle").splitlines()[2] == "| `arckv` | 3/5 |"
+    rows[0].update(ci_low="0.25", ci_high="0.75")
+    assert ml.benchmark_markdown(rows, "ruler", "ruler").splitlines()[2] == "| `arckv` | 0.50 [0.25, 0.75] | 0.25 |"
     doc = tmp_path / "results.md"
     doc.write_text("no markers\n")
     with pytest.raises(ValueError, match="must contain the lines"):
         ml.update_results_doc(doc, rows)
     assert doc.read_text() == "no markers\n"
+
+
+def test_intervals_and_paired_comparisons_from_stored_examples(ml):
+    """Rows carry their per-example scores; intervals and comparisons are recomputed from them: only
+    ARC-KV methods are compared, against every other method, on the shared examples."""
+    def row(method, scores, ratio="0.1"):
+        return {"model": "m", "benchmark": "needle", "task": "needle", "method": method, "ratio": ratio,
+                "score": sum(scores.values()) / len(scores), "example_scores": ml.example_scores(scores)}
+
+    good = {f"e{i}": 1.0 for i in range(20)}
+    bad = {f"e{i}": float(i < 2) for i in range(20)}
+    rows = [row("arckv", good), row("arckv-ha", good), row("snapkv", bad), row("none", good),
+            row("kvzip", {"other": 1.0})]
+    assert ml.examples_of(rows[0]) == good and ml.examples_of({"score": 1}) == {}
+    ml.add_intervals(rows)
+    assert rows[0]["ci_low"] == rows[0]["ci_high"] == 1.0 and rows[2]["ci_low"] < 0.1 < rows[2]["ci_high"]
+    out = ml.comparisons(rows)
+    pairs = {(c["method"], c["other"]): c for c in out}
+    assert set(pairs) == {("arckv", "arckv-ha"), ("arckv", "snapkv"), ("arckv-ha", "arckv"), ("arckv-ha", "snapkv")}
+    assert pairs[("arckv", "snapkv")]["verdict"] == "better" and pairs[("arckv", "snapkv")]["n"] == 20
+    assert pairs[("arckv", "arckv-ha")]["verdict"] == "tie" and pairs[("arckv", "arckv-ha")]["p_sign"] == 1.0
+
+
+def test_lm_eval_sample_scores_become_example_scores(ml, tmp_path):
+    """run_evals.py's sample_scores.json beside results.json: a leaf task's examples are its samples' values
+    of the reported metric, a group's the union of its subtasks' (ids ``task/doc``); the interval
+    brackets the mean. Without the file a row has no examples (and no interval)."""
+    import importlib
+
+    run_evals = importlib.import_module("arckv_press.bench.run_evals")
+    folder = tmp_path / "ruler" / "arckv_0.1"
+    path = results_json(folder / "results.json", "hf-arckv", "pretrained=m,press=arckv,ratio=0.1",
+                        {"cwe": 0.5, "vt": 1.0, "ruler": 0.75}, 1.7e9)
+    data = json.loads(path.read_text())
+    data["group_subtasks"] = {"ruler": ["cwe", "vt"], "cwe": [], "vt": []}
+    path.write_text(json.dumps(data))
+    samples = {"cwe": [{"doc_id": 0, "acc": 1.0, "acc_norm": 0.5, "doc": {"x": 1}}, {"doc_id": 1, "acc": 0.0}],
+               "vt": [{"doc_id": 0, "acc": 1.0}, {"doc_id": 1, "acc": True}]}  # a bool is no score
+    run_evals.write_sample_scores(folder / "sample_scores.json", samples)
+    rows = {r["task"]: r for r in ml.read_results(path, {}, False, {"package_version": "0", "command": "c"})}
+    assert ml.examples_of(rows["cwe"]) == {"cwe/0": 1.0, "cwe/1": 0.0}
+    assert ml.examples_of(rows["vt"]) == {"vt/0": 1.0}
+    assert ml.examples_of(rows["ruler"]) == {"cwe/0": 1.0, "cwe/1": 0.0, "vt/0": 1.0}
+    ml.add_intervals(list(rows.values()))
+    assert rows["cwe"]["ci_low"] <= 0.5 <= rows["cwe"]["ci_high"]
+    (folder / "sample_scores.json").unlink()
+    assert all(r["example_scores"] == "" for r in ml.read_results(path, {}, False, {"package_version": "0", "command": "c"}))

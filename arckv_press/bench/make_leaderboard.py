@@ -63,11 +63,13 @@ from typing import Any, Iterable
 from arckv_press.bench import ROOT as REPO
 
 FIELDS = [
-    "model", "benchmark", "task", "method", "ratio", "score", "metric", "full_score", "nocontext_score",
-    "compaction_seconds", "cache_bytes", "full_cache_bytes", "realised_ratio", "context_tokens", "indexer", "config_id",
-    "n_examples",
-    "n_records", "model_args", "source", "date", "package_version", "command",
+    "model", "benchmark", "task", "method", "ratio", "score", "ci_low", "ci_high", "metric", "full_score",
+    "nocontext_score", "compaction_seconds", "cache_bytes", "full_cache_bytes", "realised_ratio", "context_tokens",
+    "indexer", "config_id", "n_examples",
+    "n_records", "model_args", "source", "date", "package_version", "command", "example_scores",
 ]
+COMPARISON_FIELDS = ["model", "benchmark", "task", "ratio", "method", "other", "n", "mean_difference", "ci_low",
+                     "ci_high", "p_sign", "wins", "losses", "verdict"]
 KEY = ("model", "benchmark", "task", "method", "ratio")
 RULER_TASKS = {
     "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
@@ -214,6 +216,11 @@ def record_stats(records: list[dict], task: str, is_group: bool = False) -> dict
     }
 
 
+def read_sample_scores(path: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """``run_evals.py``'s ``sample_scores.json``: ``{task: {doc id: {metric: value}}}`` (``{}`` if absent)."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
 def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, str]) -> list[dict]:
     """Rows of one lm-eval results JSON."""
     data = json.loads(path.read_text(encoding="utf-8"))
@@ -236,12 +243,16 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
     ) or []
     folder = path.parent.resolve()
     recs = [r for r in recs if r.get("_dir") == folder] or recs
+    samples = read_sample_scores(path.parent / "sample_scores.json")
     rows = []
     for task, values in sorted(data["results"].items()):
         picked = pick_metric(values)
         if picked is None:
             continue
         metric, score = picked
+        name = metric.split(",", 1)[0]
+        per_example = {f"{t}/{doc}": s[name] for t in (groups.get(task) or [task]) for doc, s in samples.get(t, {}).items()
+                       if name in s}
         n = n_samples.get(task, {})
         row = {
             "model": model, "benchmark": benchmark_of(task, groups), "task": task, "method": method,
@@ -250,6 +261,7 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
             "model_args": config.get("model_args") if isinstance(config.get("model_args"), str)
             else json.dumps(config.get("model_args"), sort_keys=True),
             "source": _source(path), "date": iso_date(data.get("date")), **common,
+            "example_scores": example_scores(per_example) if per_example else "",
         }
         if recs:
             row.update(record_stats(recs, task, task in groups))
@@ -295,6 +307,8 @@ def read_needle(path: Path, common: dict[str, str]) -> list[dict]:
         rows.append({
             "model": model, "benchmark": "needle", "task": "needle", "method": method, "ratio": ratio,
             "score": mean(float(r["correct"]) for r in rs), "metric": "correct",
+            "example_scores": example_scores({f"{r['length']}/{fmt_ratio(r['depth'])}/{r['seed']}": float(r["correct"])
+                                              for r in rs}),
             "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
             "cache_bytes": mean(float(r["cache_bytes"]) for r in rs), **newest,
             "n_examples": len(rs), "n_records": len(rs), "source": _source(path),
@@ -321,6 +335,8 @@ def read_fidelity(path: Path, common: dict[str, str]) -> list[dict]:
         rows.append({
             "model": model, "benchmark": "fidelity", "task": "continuation", "method": method, "ratio": ratio,
             "score": 1.0 - mean(float(r["damage"]) for r in rs), "metric": "1-damage",
+            "example_scores": example_scores({f"doc{r['doc']}/{r['doc_tokens']}/{r['cont_tokens']}": 1.0 - float(r["damage"])
+                                              for r in rs}),
             "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
             "cache_bytes": mean(float(r["cache_bytes"]) for r in rs), **newest,
             "n_examples": len(rs), "n_records": len(rs), "source": _source(path),
@@ -334,6 +350,59 @@ def read_fidelity(path: Path, common: dict[str, str]) -> list[dict]:
                          "ratio": ratio, "score": score, "metric": "1-damage", "source": _source(path), "date": date,
                          **common})
     return rows
+
+
+# ---------------------------------------------------------------------------- uncertainty
+def example_scores(scores: dict[str, float]) -> str:
+    """Per-example scores as stored in a leaderboard cell: compact JSON ``{example id: score}``."""
+    return json.dumps(scores, sort_keys=True, separators=(",", ":"))
+
+
+def examples_of(row: dict) -> dict[str, float]:
+    """The per-example scores of a leaderboard row (``{}`` when it stores none)."""
+    text = row.get("example_scores") or ""
+    return {k: float(v) for k, v in json.loads(text).items()} if text else {}
+
+
+def add_intervals(rows: list[dict]) -> None:
+    """``ci_low`` / ``ci_high``: the seeded 95% bootstrap interval of each row's mean over its stored
+    examples (:func:`~arckv_press.bench.uncertainty.mean_interval`); empty without examples."""
+    from arckv_press.bench.uncertainty import mean_interval
+
+    for r in rows:
+        scores = examples_of(r)
+        r["ci_low"], r["ci_high"] = mean_interval(scores.values()) if scores else ("", "")
+
+
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Each ARC-KV method against every other method of the same (model, benchmark, task, kept
+    fraction), paired on the examples both scored (:func:`~arckv_press.bench.uncertainty.paired_comparison`):
+    mean difference, 95% paired bootstrap interval, sign-test p-value; ``verdict`` is ``tie`` when the
+    interval holds zero."""
+    from arckv_press.bench.uncertainty import paired_comparison
+    from arckv_press.methods import METHODS
+
+    groups: dict[tuple, dict[str, dict[str, float]]] = defaultdict(dict)
+    for r in rows:
+        scores = examples_of(r)
+        if scores and r["method"] not in REFERENCE_METHODS:
+            groups[(r["model"], r["benchmark"], r["task"], fmt_ratio(r["ratio"]))][r["method"]] = scores
+    out = []
+    for (model, bench, task, ratio), by_method in sorted(groups.items()):
+        for method in sorted(by_method):
+            if method not in METHODS or METHODS[method].family != "arckv":
+                continue
+            for other in sorted(by_method):
+                if other == method:
+                    continue
+                c = paired_comparison(by_method[method], by_method[other])
+                if c is None:
+                    continue
+                out.append({"model": model, "benchmark": bench, "task": task, "ratio": ratio, "method": method,
+                            "other": other, "n": c.n, "mean_difference": c.mean_difference, "ci_low": c.ci_low,
+                            "ci_high": c.ci_high, "p_sign": c.p_sign, "wins": c.wins, "losses": c.losses,
+                            "verdict": c.verdict})
+    return out
 
 
 # ---------------------------------------------------------------------------- table
@@ -381,13 +450,13 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
+def write_csv(path: Path, rows: list[dict], fields: list[str] = FIELDS) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: _cell(r.get(k, "")) for k in FIELDS})
+            writer.writerow({k: _cell(r.get(k, "")) for k in fields})
 
 
 def _cell(v: Any) -> Any:
@@ -500,10 +569,17 @@ def block_marks(name: str) -> tuple[str, str]:
             f"<!-- end of generated {name} -->")
 
 
+def _with_interval(r: dict | None, kind: str) -> str:
+    """A cell's value and, when the row has one, its 95% interval over examples (as fractions)."""
+    value = _headline_value(r, kind)
+    low, high = (None, None) if r is None else (_num(r.get("ci_low")), _num(r.get("ci_high")))
+    return value if low is None or high is None else f"{value} [{low:.2f}, {high:.2f}]"
+
+
 def benchmark_markdown(rows: list[dict], benchmark: str, task: str) -> str:
     """One benchmark's table: a row per method (registry order, then the references), a column per
-    kept fraction present, each cell the leaderboard's value (needles as found/total) and the
-    column's sample size in the header; ``-`` where a method has no row."""
+    kept fraction present, each cell the leaderboard's value (needles as found/total) with its 95%
+    bootstrap interval over examples when the row stores them; ``-`` where a method has no row."""
     from arckv_press.methods import METHOD_NAMES
 
     kind = "needle" if benchmark == "needle" else "score"
@@ -515,7 +591,7 @@ def benchmark_markdown(rows: list[dict], benchmark: str, task: str) -> str:
     for m in METHOD_NAMES:
         if m in REFERENCE_METHODS or not any((m, r) in cells for r in ratios):
             continue
-        lines.append("| " + " | ".join([f"`{m}`", *[_headline_value(cells.get((m, r)), kind) for r in ratios]]) + " |")
+        lines.append("| " + " | ".join([f"`{m}`", *[_with_interval(cells.get((m, r)), kind) for r in ratios]]) + " |")
     for m, label in REFERENCE_METHODS.items():
         ref = next((r for (name, _), r in cells.items() if name == m), None)
         if ref is not None:
@@ -707,10 +783,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     previous = [r for r in read_csv(out) if r.get("source") not in reread]
     rows, superseded = split_superseded(merge(previous, new))
     fill_references(rows)
+    add_intervals(rows)
     write_csv(out, rows)
+    write_csv(out_dir / "comparisons.csv", comparisons(rows), COMPARISON_FIELDS)
     if superseded or old_out.exists():
         superseded = merge(read_csv(old_out), superseded)
         fill_references(superseded)
+        add_intervals(superseded)
         write_csv(old_out, superseded)
         print(f"{len(superseded)} rows of an older checkpoint or older compaction options: {old_out}")
 

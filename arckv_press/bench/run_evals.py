@@ -166,10 +166,11 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[
     t0 = time.perf_counter()
     results = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, limit=limit, task_manager=manager, metadata=dict(metadata),
-        use_cache=str(folder / "requests"), bootstrap_iters=0, log_samples=False,
+        use_cache=str(folder / "requests"), bootstrap_iters=0, log_samples=True,
         random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
     )
     seconds = time.perf_counter() - t0
+    write_sample_scores(folder / "sample_scores.json", results.get("samples") or {})
     keep = ("results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
     data = {k: results[k] for k in keep if k in results}
     data["config"] = {"model": "hf-arckv", "model_args": model_args_string(run, model_path, args.dtype),
@@ -185,6 +186,19 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[
     tmp.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
     tmp.replace(folder / "results.json")
     return data
+
+
+def write_sample_scores(path: Path, samples: dict) -> None:
+    """Per-sample metric values of every task, ``{task: {doc_id: {metric: value}}}``, so that the
+    leaderboard can give intervals and paired comparisons over examples; prompts and responses are
+    not kept."""
+    out = {task: {str(s.get("doc_id")): {k: float(v) for k, v in s.items()
+                                          if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "doc_id"}
+                  for s in items}
+           for task, items in sorted(samples.items())}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(out, sort_keys=True), encoding="utf-8")
+    tmp.replace(path)
 
 
 def summary_line(data: dict) -> str:
