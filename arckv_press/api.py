@@ -139,6 +139,9 @@ class CompactionConfig:
         fit_scope: ARC-KV: the anchors whose beta and C_v are fitted, ``"merged"`` (default: only
             anchors that absorbed other positions; the others keep their own key, value and
             beta = 0) or ``"all"`` (the paper; :class:`~arckv_press.compaction.layer.LayerMethod`).
+        anchor_search: fused pipeline, ARC-KV: ``"scores"`` (default: top-t of the anchor scores) or
+            ``"omp"`` / ``"omp-fast"`` (Attention Matching's greedy search on the budget rows, then
+            ARC-KV's merging and fits; :class:`~arckv_press.compaction.layer.LayerMethod`).
         fit_witnesses: with ``score_queries="all"``, the fits (and key merging) use the
             ``query_budget`` rows plus every anchor's witness query, the captured row that attends
             to it most (:mod:`arckv_press.compaction.witness`): without them, anchors picked for a
@@ -172,6 +175,7 @@ class CompactionConfig:
     verbatim_fraction: float | None = None
     indexer_rows: str = "all"
     fit_scope: str = "merged"
+    anchor_search: str = "scores"
 
     def __post_init__(self) -> None:
         lookup_method(self.method, ours=True)
@@ -218,13 +222,19 @@ class CompactionConfig:
     def layer_method(self) -> LayerMethod:
         return LayerMethod(self.method, self.merging_coefficient(), self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
                            fit_witnesses=self.fit_witnesses, verbatim_fraction=self.verbatim_fraction,
-                           fit_scope=self.fit_scope)
+                           fit_scope=self.fit_scope, anchor_search=self.anchor_search)
 
 
 _RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")
 _INDEXER_ONLY_FIELDS = ("indexer_rows",)  # options only the learned indexer's method reads  # never change a result (the indexer has its own id)
 _ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation", "min_head_fraction", "fit_witnesses",
-                      "pipeline", "merge_rows", "max_head_multiple", "verbatim_fraction", "fit_scope")
+                      "pipeline", "merge_rows", "max_head_multiple", "verbatim_fraction", "fit_scope",
+                      "anchor_search")
+
+
+# options added after results were stored: they enter the id only when set to something else, so
+# the ids (and the stored rows) of the configurations that existed before stay valid
+_OMITTED_AT_DEFAULT = {"anchor_search": "scores"}
 
 
 def _canonical(value):
@@ -255,6 +265,7 @@ def config_id(config: CompactionConfig) -> str:
     """
     skip = set(_RUN_ONLY_FIELDS) | (set(_ARCKV_ONLY_FIELDS) if config.family == "am" else set())
     skip |= set(_INDEXER_ONLY_FIELDS) if config.method != "arckv" else set()
+    skip |= {name for name, default in _OMITTED_AT_DEFAULT.items() if getattr(config, name) == default}
     options = {f.name: _canonical(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in skip}
     if "lambda_m" in options:  # the coefficient used at this kept fraction: the schedule's or the one given
         options["lambda_m"] = _canonical(float(config.merging_coefficient()))

@@ -681,3 +681,39 @@ def test_indexer_on_budget_rows_equals_all_rows_when_the_budget_covers_every_pos
             torch.testing.assert_close(getattr(a, name), getattr(b, name))
     assert any(not torch.equal(a.lengths, b.lengths) or a.ck.shape != b.ck.shape or not torch.equal(a.ck, b.ck)
                for a, b in zip(few.layers, few_all.layers))
+
+
+def test_omp_anchor_search_takes_the_am_search_on_the_budget_rows(tiny_model, tiny_tokenizer, monkeypatch):
+    """``anchor_search="omp-fast"``: each layer's anchors are Attention Matching's OMP-fast choice on
+    that layer's budget rows (all query heads of the budget positions) with the allocated budgets,
+    then merged and fitted as usual; the default (top-t of the scores) gives another cache, and the
+    option has its own config id while the default's id is unchanged."""
+    import arckv_press.compaction.layer as layer_mod
+    from arckv_press.api import config_id
+    from arckv_press.compaction.omp import AM_OMP_FAST
+
+    model, tok, text, layout, T, K, V, store = _three_layer_reference(tiny_model, tiny_tokenizer)
+    G = layout.group_size
+    calls, real = [], layer_mod.omp_select
+
+    def spy(Q, K_, budgets, scaling, config):
+        out = real(Q, K_, budgets, scaling, config)
+        calls.append((Q.shape[1], budgets.clone(), out[1], config))
+        return out
+
+    monkeypatch.setattr(layer_mod, "omp_select", spy)
+    with torch.no_grad():
+        cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3, anchor_search="omp-fast")
+        default = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3)
+    config = CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3)
+    budget_pos, _ = _reference_positions(T, G, config)
+    assert len(calls) == 3
+    for (n_rows, budgets, valid, cfg), layer in zip(calls, cache.compact_layers):
+        assert n_rows == G * budget_pos.numel() and cfg is AM_OMP_FAST
+        assert layer.lengths.tolist() == valid.sum(-1).tolist() == budgets.tolist()
+    assert any(not torch.equal(a.ck, b.ck) for a, b in zip(cache.compact_layers, default.compact_layers))
+    assert config_id(config) == config_id(CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3,
+                                                           anchor_search="scores"))
+    assert config_id(CompactionConfig(method="arckv-ha", anchor_search="omp-fast")) != config_id(CompactionConfig(method="arckv-ha"))
+    with pytest.raises(ValueError, match="anchor_search"):
+        CompactionConfig(method="arckv-ha", anchor_search="lasso")

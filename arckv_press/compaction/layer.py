@@ -22,7 +22,7 @@ import torch
 
 from arckv_press.compaction.fit import FitConfig, fit_beta, fit_values
 from arckv_press.compaction.merge import assign_to_anchors, check_anchors, merge_keys
-from arckv_press.compaction.omp import am_compact
+from arckv_press.compaction.omp import AM_OMP, AM_OMP_FAST, am_compact, omp_select
 from arckv_press.compaction.reference import grouped_rows
 from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, vi_scores
 from arckv_press.compaction.stats import ReferenceStats
@@ -33,6 +33,7 @@ from arckv_press.methods import method as lookup_method
 __all__ = ["LayerMethod", "LayerResult", "compact_layer", "compact_layer_from_stats", "anchor_scores", "FIT_SCOPES"]
 
 FIT_SCOPES = ("all", "merged")
+ANCHOR_SEARCHES = {"scores": None, "omp": AM_OMP, "omp-fast": AM_OMP_FAST}
 
 
 @dataclass
@@ -57,6 +58,11 @@ class LayerMethod:
             (:func:`~.fit.fit_beta` / :func:`~.fit.fit_values` ``fixed``). The fits then grow with
             the square of the merged anchors, at most the positions a head drops, instead of all
             its anchors. ``"all"``: every anchor (the paper).
+        anchor_search: :func:`compact_layer_from_stats` only: how anchors are found. ``"scores"``
+            (default): the top-t of the selector's pooled scores (Eq. (indexer_pooling));
+            ``"omp"`` / ``"omp-fast"``: Attention Matching's greedy OMP search on the budget rows
+            (:func:`~.omp.omp_select`, which refits the attention mass after each pick), then the
+            same merging and fits.
         fit_witnesses: when merging and the fits use a subset of the scoring pool, add every
             anchor's witness query (the pooled row that attends to it most, :mod:`.witness`)
             to that subset: without it, anchors picked for a planted needle get C_v fitted from
@@ -73,8 +79,11 @@ class LayerMethod:
     fit_witnesses: bool = True
     verbatim_fraction: float | None = None
     fit_scope: str = "merged"
+    anchor_search: str = "scores"
 
     def __post_init__(self) -> None:
+        if self.anchor_search not in ANCHOR_SEARCHES:
+            raise ValueError(f"anchor_search must be one of {tuple(ANCHOR_SEARCHES)}, got {self.anchor_search!r}")
         if self.fit_scope not in FIT_SCOPES:
             raise ValueError(f"fit_scope must be one of {FIT_SCOPES}, got {self.fit_scope!r}")
         if self.verbatim_fraction is not None and not (isinstance(self.verbatim_fraction, (int, float))
@@ -182,6 +191,8 @@ def compact_layer(
     (plus each anchor's witness when ``method.fit_witnesses``); ``None`` = every row of ``Q``.
     Returns padded ``(C_k, beta, C_v)`` with a prefix ``valid`` mask per head.
     """
+    if method.anchor_search != "scores":
+        raise ValueError("anchor_search applies to the fused pipeline (compact_layer_from_stats) only")
     timings: dict[str, float] = {}
     watch = _Stopwatch(timings)
     variant = method.definition.variant
@@ -257,7 +268,11 @@ def compact_layer_from_stats(
         scores = stats.scores if scores is None else scores
         if tuple(scores.shape) != tuple(K.shape[:2]):
             raise ValueError(f"scores must have shape {tuple(K.shape[:2])} (heads x positions), got {tuple(scores.shape)}")
-        idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
+        if method.anchor_search == "scores":
+            idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
+        else:
+            idx, valid, _ = omp_select(Q[:, base_rows.to(K.device)], K, budgets, scaling,
+                                       ANCHOR_SEARCHES[method.anchor_search])
         idx, valid = _prefix_order(idx, valid)
     check_anchors(idx, valid, K.shape[1])
     row_max, row_lse, row_out = stats.rows("row_max"), stats.rows("row_lse"), stats.rows("row_out")
