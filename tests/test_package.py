@@ -105,14 +105,15 @@ import arckv_press, arckv_press.tasks
 from arckv_press import ARCKVPress, AttentionMatchingPress, compact, CompactCache, load_model
 from arckv_press.tasks._common import resources
 from arckv_press.tasks.ruler import utils
+from arckv_press.bench import CHECKOUT, needle, make_leaderboard
 print(arckv_press.__file__)
 print(arckv_press.tasks.__file__)
-print(resources.SHARED_DATA_DIR, resources.REPO_ROOT)
+print(resources.SHARED_DATA_DIR, resources.REPO_ROOT, CHECKOUT)
 """
     out = _run([python, "-c", code], work).split()
     venv = str(python.parents[1])
     assert out[0].startswith(venv) and out[1].startswith(venv)  # the wheel's copy, not the checkout
-    assert out[2:] == ["None", "None"]  # an installed package never reads ../shared/data
+    assert out[2:] == ["None", "None", "None"]  # an installed package never reads ../shared/data
 
 
 @pytest.mark.wheel

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Compaction cost: per-stage wall time of ARC-KV and the Attention-Matching baselines on the
 default model, kvpress's presses end to end, and a head-level sweep on synthetic tensors.
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """One decode step's attention, per layer: the full cache against the ARC-KV compact cache.
 
 Synthetic tensors with the default model's layout (9 query heads, 3 KV heads, head_dim 64) in

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """bf16 vs float32 speed on this machine: one matmul shaped like the default model's MLP input and
 one prefill of the default model, median of repeats, ratio printed.
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Context fidelity benchmark: how much of a document's help to its own continuation survives
 compaction, for every method at the five kept fractions.
 

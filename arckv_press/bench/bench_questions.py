@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Many questions about one compacted context: answered one by one vs decoded together.
 
 The reusable-prefix use case end to end on the model: one context (a Paul Graham essay slice from

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Does the joint stage's soft surrogate point downhill for the hard loss it stands in for?
 
 The indexer's joint training (paper Sec. 3.4, Eqs. (soft_candidate_gate)-(output_ste)) takes

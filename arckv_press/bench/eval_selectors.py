@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Anchor selectors on held-out development contexts: learned indexer vs HA vs VI vs AM OMP-fast.
 
 For each development context (SQuAD test-half articles held out from indexer training by

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Cache-reconstruction fidelity: paper Table (motivation_reconstruction) and Table
 (key_merging_coefficient_ablation) on the default model and real contexts.
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Needle in a haystack: exact retrieval of a 7-digit number per method, kept fraction, context
 length and needle depth, on the default model with the Paul Graham essays.
 

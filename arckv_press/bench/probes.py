@@ -22,14 +22,13 @@ import argparse
 import csv
 import dataclasses
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from arckv_press import __version__
+from arckv_press.runinfo import run_meta
 from arckv_press.compaction.fit import FitConfig
 from arckv_press.haystack import load_haystack
 from arckv_press.models import load_model, model_id
@@ -123,9 +122,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.configs, args.ratios, args.depths, args.seeds, args.docs = ["arckv-ha", "snapkv", "kvzip"], [0.2], [0.5], [0, 1], 1
     torch.set_num_threads(args.threads)
-    command = "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))
-    print(f"# {command}\n# machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, arckv-press {__version__}")
+    run = run_meta(argv=None if argv is None else [sys.argv[0], *argv])
+    print(f"# {run['command']}\n# machine: {run['machine']}, arckv-press {run['package_version']}")
 
     out = Path(args.out)
     done = set()
@@ -166,7 +164,7 @@ def main(argv=None) -> int:
                     "damage": round(cont.value, 4), "damage_docs": cont.count,
                     "compaction_seconds": round(((needle.seconds if needle else 0.0) + cont.seconds)
                                                 / (n_needles + len(documents)), 2),
-                    "date": time.strftime("%Y-%m-%d"), "version": __version__, "command": command,
+                    "date": run["date"], "version": run["package_version"], "command": run["command"],
                 }
                 writer.writerow(row)
                 f.flush()

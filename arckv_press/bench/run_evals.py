@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Run the lm-eval benchmarks (RULER, QuALITY, LongBench) for methods x kept fractions, resumably.
 
 One lm-eval run per (benchmark, method, ratio), in process with the ``hf-arckv`` model (the
@@ -6,6 +5,7 @@ model is loaded once and shared by all runs), plus the full cache (method ``none
 and the no-context baseline (``drop_document=True``). Each run writes
 
     <out>/<benchmark>/<method>_<ratio>/results.json        lm-eval's results (no samples)
+    <out>/<benchmark>/<method>_<ratio>/sample_scores.json  each sample's metric values (intervals)
     <out>/<benchmark>/<method>_<ratio>/arckv_compaction.jsonl   one record per document
     <out>/<benchmark>/<method>_<ratio>/requests.db          lm-eval's request cache (resume)
 
