@@ -53,6 +53,10 @@ class Method:
         with an id, :func:`arckv_press.api.config_id`), not a kvpress press or the full cache."""
         return self.family in ("arckv", "am")
 
+    def press_arguments(self) -> dict[str, str]:
+        """The press arguments that make its press this method (``selector`` / ``variant``)."""
+        return {k: v for k, v in (("selector", self.selector), ("variant", self.variant)) if v is not None}
+
     def press_class(self) -> type | None:
         """The press class (imported now); ``None`` for the full cache."""
         if self.press is None:

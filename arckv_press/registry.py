@@ -81,7 +81,7 @@ def make_press(name: str, ratio: float, **options: Any) -> BasePress | None:
         if options:
             raise ValueError(f"method {name!r} (full cache) takes no options, got {sorted(options)}")
         return None
-    own = {"arckv": {"selector": spec.selector}, "am": {"variant": spec.variant}}.get(spec.family, {})
+    own = spec.press_arguments()
     accepted = {f.name for f in dataclasses.fields(cls) if f.init} - {"compression_ratio", "ratio", *own}
     bad = sorted(set(options) - accepted)
     if bad:

@@ -31,7 +31,7 @@ def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys
     mod = load_script("bench_compaction")
     out = tmp_path / "bench.csv"
     argv = ["--skip-synthetic", "--lengths", "300", "--ratios", "0.2", "--methods", "arckv", "arckv-ha", "am-omp-fast",
-            "--repeats", "1", "--dtype", "float32", "--out", str(out)]
+            "--repeats", "1", "--dtype", "float32", "--out", str(out), "--plain-repeat"]
     assert mod.main(argv) == 0
     rows = list(csv.DictReader(out.open()))
     assert {r["dtype"] for r in rows} == {"float32"} and {r["length"] for r in rows} == {"300"}
@@ -57,6 +57,11 @@ def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys
         assert_ratio_of_rounded(ratio, sec[("am-omp-fast", "am_total")], post, csv_decimals=4, den_terms=2)
         e2e = float(line.split("end to end ")[1].split("x")[0])
         assert_ratio_of_rounded(e2e, sec[("am-omp-fast", "compact_total")], sec[(name, "compact_total")], csv_decimals=4)
+    # --plain-repeat: the repeat-prefill without statistics, against the prefill of the same run
+    plain = sec[("none", "repeat_plain")]
+    line = next(l for l in printed if "plain repeat-prefill" in l)
+    assert_ratio_of_rounded(float(line.split("/ prefill ")[1].split()[0]), plain, pre, csv_decimals=4)
+    assert 0 < plain < sec[("arckv-ha", "repeat_prefill")] * 3  # same forwards, no statistics
     # --summary prints the same figures from the CSV alone (what an interrupted run left behind)
     assert mod.main([*argv, "--summary"]) == 0
     again = capsys.readouterr().out.splitlines()

@@ -178,9 +178,14 @@ def model_section(args, meta: dict) -> list[dict]:
         for length in args.lengths:
             ids, prefix_len = document_ids(tok, haystack, length)
             pre = median_seconds(partial(prefill, model, ids), args.repeats)  # warm-up at this length
-            record("none", 1.0, length, {"prefill": pre})
-            print(f"{length} tokens (+{prefix_len} prefix): prefill {pre:.2f} s", flush=True)
             cache = prefill(model, ids)
+            base = {"prefill": pre}
+            if args.plain_repeat:
+                base["repeat_plain"] = median_seconds(partial(plain_repeat, model, tok, cache, ids, prefix_len),
+                                                      args.repeats, warmup=0)
+            record("none", 1.0, length, base)
+            print(f"{length} tokens (+{prefix_len} prefix): " + ", ".join(f"{k} {v:.2f} s" for k, v in base.items()),
+                  flush=True)
             for ratio in args.ratios:
                 for method in methods:
                     if method in KVPRESS_METHODS:
@@ -197,6 +202,17 @@ def model_section(args, meta: dict) -> list[dict]:
                     print(f"  rho {ratio:<5g} {method:<19} {shown}", flush=True)
     print_model_summary(results, args, methods)
     return rows
+
+
+def plain_repeat(model, tok, cache, ids: torch.Tensor, prefix_len: int) -> None:
+    """The default chunked repeat-prefill with the model's own attention and no statistics: every
+    chunk runs (one captured row per chunk, in one layer), nothing else is gathered."""
+    from arckv_press.api import CompactionConfig
+    from arckv_press.capture import framing_for, repeat_prefill
+
+    chunk = CompactionConfig().repeat_chunk
+    doc = ids[:, prefix_len:]
+    repeat_prefill(model, tok, cache, doc, framing_for(tok).suffix_ids, [0], torch.arange(0, doc.shape[1], chunk), chunk)
 
 
 def print_model_summary(results: dict, args, methods: list[str]) -> None:
@@ -222,6 +238,9 @@ def print_model_summary(results: dict, args, methods: list[str]) -> None:
         if ("none", 1.0, length) not in results:  # an interrupted run (--summary) that did not reach it
             continue
         pre = results[("none", 1.0, length)]["prefill"]
+        plain = results[("none", 1.0, length)].get("repeat_plain")
+        if plain is not None:
+            print(f"{length:>6} tok: plain repeat-prefill (own attention, no statistics) / prefill {plain / pre:.2f}")
         for ratio in args.ratios:
             for name in ("arckv", "arckv-ha", "arckv-vi"):  # each ARC-KV variant of the run against OMP
                 arc = results.get((name, ratio, length))
@@ -401,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--haystack", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-model", action="store_true", help="only the synthetic sweep")
+    p.add_argument("--plain-repeat", action="store_true",
+                   help="also time the repeat-prefill with the model's own attention and no statistics (stage "
+                        "repeat_plain of method none): the floor of any exact repeat-prefill")
     p.add_argument("--skip-synthetic", action="store_true", help="only the model section")
     p.add_argument("--quick", action="store_true", help="1K only, rho 0.1 and 0.02, one repeat, synthetic T <= 4096")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
