@@ -333,6 +333,26 @@ def test_readme_headline_table_is_the_generated_one(ml):
     in_readme = text[start + len(ml.HEADLINE_START):end].strip("\n")
     rows = ml.read_csv(repo / "leaderboards" / "leaderboard.csv")
     assert in_readme == ml.headline_markdown(rows)
+    start, end = text.index(ml.BEST_START), text.index(ml.BEST_END)
+    assert text[start + len(ml.BEST_START):end].strip("\n") == ml.best_markdown(rows)
+
+
+def test_best_at_keep_10_percent_names_the_runner_up_and_the_test(ml):
+    """The best compact method and the runner-up at keep 10% per headline benchmark, with the paired
+    test on their shared examples; references never count; without examples it says so."""
+    def row(bench, task, method, score, scores=None, ratio="0.1", n="20"):
+        return {"benchmark": bench, "task": task, "method": method, "ratio": ratio, "score": score, "n_examples": n,
+                "example_scores": ml.example_scores(scores) if scores else ""}
+
+    good = {f"e{i}": 1.0 for i in range(20)}
+    bad = {f"e{i}": float(i < 2) for i in range(20)}
+    rows = [row("needle", "needle", "arckv", "1.0", good), row("needle", "needle", "kvzip", "0.1", bad),
+            row("needle", "needle", "none", "1.0", good), row("needle", "needle", "snapkv", "0.9", good, ratio="0.2"),
+            row("ruler", "ruler", "kvzip", "0.39"), row("ruler", "ruler", "arckv-ha", "0.35")]
+    lines = ml.best_markdown(rows).splitlines()
+    assert lines[0].startswith("- needles: `arckv` 20/20, runner-up `kvzip` 2/20: significant (difference +0.900")
+    assert lines[1] == "- RULER 2K: `kvzip` 0.39, runner-up `arckv-ha` 0.35: not tested (no per-example scores for both)"
+    assert len(lines) == 2  # no fidelity rows: no line
 
 
 def test_headline_table_from_rows_and_readme_update(ml, tmp_path):
