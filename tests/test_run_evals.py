@@ -95,3 +95,17 @@ def test_runs_of_another_indexer_checkpoint_or_config_are_moved_away_and_rerun(r
     (stale / "results.json").write_text(json.dumps({"results": {}, "arckv_run": ids("old")}))
     with pytest.raises(SystemExit, match="exists"):
         re_.retire_stale(re_.Run("ruler", "arckv", 0.1), out, ids("new"))
+
+
+def test_a_folder_of_other_sizes_is_refused_not_counted_as_done(re_, tmp_path):
+    """A finished run made with another --limit or --ruler-length is not taken for this one: the
+    command stops, naming both sizes, before loading any model; the same sizes count as done."""
+    folder = re_.Run("ruler", "snapkv", 0.1).folder(tmp_path)
+    folder.mkdir(parents=True)
+    stored = {"limit": None, "metadata": {"max_seq_lengths": [2048], "num_samples": 2, "seed": 42}}
+    (folder / "results.json").write_text(json.dumps({"config": stored, "arckv_run": {"indexer": "", "config_id": ""}}))
+    common = ["--benchmarks", "ruler", "--methods", "snapkv", "--ratios", "0.1", "--no-baselines", "--out", str(tmp_path)]
+    for other in (["--limit", "10"], ["--limit", "2", "--ruler-length", "4096"]):
+        with pytest.raises(SystemExit, match="write these sizes to another --out"):
+            re_.main([*common, *other])
+    assert re_.main([*common, "--limit", "2"]) == 0  # the same sizes: done, nothing to run

@@ -99,6 +99,20 @@ def finished(folder: Path, ids: dict[str, str]) -> bool:
     return (folder / "results.json").exists() and folder_ids(folder) == ids
 
 
+def check_sizes(run: Run, args) -> None:
+    """Refuse a run folder made with other sizes (``--limit``, ``--ruler-length``, LongBench length):
+    its ``results.json`` would count as finished and its scores be read as these sizes'."""
+    path = run.folder(args.out) / "results.json"
+    if not path.exists():
+        return
+    config = json.loads(path.read_text(encoding="utf-8")).get("config") or {}
+    _, metadata, limit = task_setup(run, args)
+    stored = {"limit": config.get("limit"), "metadata": config.get("metadata")}
+    wanted = json.loads(json.dumps({"limit": limit, "metadata": metadata}))
+    if stored != wanted:
+        raise SystemExit(f"{path.parent} holds a run with {stored}, not {wanted}: write these sizes to another --out")
+
+
 def retire_stale(run: Run, out: Path, ids: dict[str, str]) -> bool:
     """Move a run folder made with another indexer checkpoint than ``ids`` to
     ``archive/<out>_indexer_<old id>/<benchmark>/<name>`` (next to ``<out>``), or with other
@@ -247,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:  # report only: nothing is moved
         todo = [r for r in runs if not finished(r.folder(args.out), ids[r])]
     else:
+        for r in runs:
+            check_sizes(r, args)
         todo = [r for r in runs if not retire_stale(r, args.out, ids[r])]
     print(f"{len(runs)} runs planned, {len(runs) - len(todo)} done, {len(todo)} to run", flush=True)
     if args.list:
