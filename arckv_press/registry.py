@@ -91,18 +91,21 @@ def make_press(name: str, ratio: float, **options: Any) -> BasePress | None:
     return cls(compression_ratio=kept_to_compression(ratio), **options)
 
 
-def press_options(name: str, config_options: dict[str, Any] | None) -> dict[str, Any]:
+def press_options(name: str, config_options: dict[str, Any] | None, indexer: Any = None) -> dict[str, Any]:
     """The press arguments of method ``name`` that set the :class:`~arckv_press.api.CompactionConfig`
     fields ``config_options`` (the scripts' ``--option``): a field the press takes as an argument
-    (e.g. ``lambda_m``) is passed as one, the others in its ``config_options``. ``{}`` for methods
-    that are not ours (kvpress presses and ``none`` take no compaction options)."""
+    (e.g. ``lambda_m``) is passed as one, the others in its ``config_options``; plus
+    ``indexer=indexer`` (a checkpoint path, the scripts' ``--indexer``) for a method that uses the
+    learned indexer, when one is given. ``{}`` for methods that are not ours (kvpress presses and
+    ``none`` take no compaction options)."""
     spec = method(name)
+    out = {"indexer": indexer} if indexer is not None and spec.uses_indexer else {}
     if not spec.ours or not config_options:
-        return {}
+        return out
     arguments = {f.name for f in dataclasses.fields(spec.press_class()) if f.init} - {"config_options"}
     direct = {k: v for k, v in config_options.items() if k in arguments}
     rest = {k: v for k, v in config_options.items() if k not in arguments}
-    return {**direct, **({"config_options": rest} if rest else {})}
+    return {**out, **direct, **({"config_options": rest} if rest else {})}
 
 
 def describe_methods(indent: str = "  ") -> str:

@@ -148,20 +148,22 @@ def is_current(row: dict, ids: dict[str, str]) -> bool:
 
 class CurrentIds:
     """The ids (:func:`arckv_press.registry.result_ids`) a stored row of a method at a kept fraction
-    must carry now, for ``model_id``; ``options_for(method)`` gives the press options of a method
-    (default none). Called as ``ids(method, ratio)``; :meth:`matches` checks a stored row (its
-    ``method`` and ``ratio`` columns; a row without a ratio counts as the full cache, 1)."""
+    must carry now, for ``model_id``, with the scripts' ``--option`` fields ``config_options`` and
+    ``--indexer`` checkpoint ``indexer`` (:func:`arckv_press.registry.press_options`). Called as
+    ``ids(method, ratio)``; :meth:`matches` checks a stored row (its ``method`` and ``ratio``
+    columns; a row without a ratio counts as the full cache, 1)."""
 
-    def __init__(self, model_id: str, options_for=None):
-        self.model_id, self.options_for = model_id, options_for or (lambda method: {})
+    def __init__(self, model_id: str, config_options: dict | None = None, indexer: str | None = None):
+        self.model_id, self.config_options, self.indexer = model_id, config_options, indexer
         self._cache: dict[tuple[str, float], dict[str, str]] = {}
 
     def __call__(self, method: str, ratio: float) -> dict[str, str]:
         key = (method, float(ratio))
         if key not in self._cache:
-            from arckv_press.registry import result_ids
+            from arckv_press.registry import press_options, result_ids
 
-            self._cache[key] = result_ids(method, self.model_id, float(ratio), **self.options_for(method))
+            options = press_options(method, self.config_options, self.indexer)
+            self._cache[key] = result_ids(method, self.model_id, float(ratio), **options)
         return self._cache[key]
 
     def matches(self, row: dict) -> bool:

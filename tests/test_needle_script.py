@@ -8,6 +8,7 @@ from conftest import load_script
 from arckv_press.api import CompactionConfig, config_id
 from arckv_press.models import DEFAULT_MODEL_ID
 from arckv_press.registry import indexer_id, method_config_id
+from arckv_press.runinfo import CurrentIds
 
 
 def test_needle_rows_of_another_indexer_checkpoint_or_config_are_left_out(tmp_path, capsys):
@@ -16,7 +17,7 @@ def test_needle_rows_of_another_indexer_checkpoint_or_config_are_left_out(tmp_pa
     assert shipped  # the default model ships a checkpoint
     cfg, cfg_ha = method_config_id("arckv", 0.1), method_config_id("arckv-ha", 0.1)
     assert cfg == config_id(CompactionConfig(method="arckv")) and cfg_ha == config_id(CompactionConfig(method="arckv-ha"))
-    ids = needle.current_ids(DEFAULT_MODEL_ID)
+    ids = CurrentIds(DEFAULT_MODEL_ID)
     assert {m: ids(m, 0.1) for m in ("arckv", "arckv-ha", "snapkv", "none")} == {
         "arckv": {"indexer": shipped, "config_id": cfg}, "arckv-ha": {"indexer": "", "config_id": cfg_ha},
         "snapkv": {"indexer": "", "config_id": ""}, "none": {"indexer": "", "config_id": ""}}
@@ -57,9 +58,9 @@ def test_indexer_flag_reaches_the_press_and_the_row_ids(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     save_indexer(ValueAwareIndexer(IndexerConfig(num_layers=1, num_kv_heads=1, head_dim=4, d_x=4)), ck,
                  model_id=DEFAULT_MODEL_ID, config_hash="x")
-    ids = needle.current_ids(DEFAULT_MODEL_ID, str(ck))
+    ids = CurrentIds(DEFAULT_MODEL_ID, None, str(ck))
     assert ids("arckv", 0.1)["indexer"] == checkpoint_id(ck) != indexer_id("arckv", DEFAULT_MODEL_ID)
-    assert ids("arckv-ha", 0.1)["indexer"] == "" and ids("arckv-ha", 0.1) == needle.current_ids(DEFAULT_MODEL_ID)("arckv-ha", 0.1)
+    assert ids("arckv-ha", 0.1)["indexer"] == "" and ids("arckv-ha", 0.1) == CurrentIds(DEFAULT_MODEL_ID)("arckv-ha", 0.1)
     made = []
     monkeypatch.setattr("arckv_press.registry.make_press", lambda name, ratio, **kw: made.append((name, kw)))
     for name in ("arckv", "arckv-ha"):
@@ -78,7 +79,7 @@ def test_press_options_reach_our_presses_and_their_ids(monkeypatch):
 
     needle = load_script("needle")
     opts = {"fit_scope": "all"}
-    ids = needle.current_ids(DEFAULT_MODEL_ID, None, opts)
+    ids = CurrentIds(DEFAULT_MODEL_ID, opts)
     as_press = {"config_options": {"fit_scope": "all"}}  # fit_scope is no ARCKVPress argument
     assert ids("arckv-ha", 0.1) == result_ids("arckv-ha", DEFAULT_MODEL_ID, 0.1, **as_press) != result_ids("arckv-ha", DEFAULT_MODEL_ID, 0.1)
     assert ids("snapkv", 0.1) == result_ids("snapkv", DEFAULT_MODEL_ID, 0.1)

@@ -52,6 +52,7 @@ import torch
 from arckv_press.bench import ROOT
 from arckv_press.methods import COMPACTION_METHODS
 from arckv_press.runinfo import (
+    CurrentIds,
     add_option_argument,
     append_rows,
     median_seconds,
@@ -146,7 +147,7 @@ def model_section(args, meta: dict) -> list[dict]:
     haystack = load_haystack(args.haystack)
     rows: list[dict] = []
     results: dict[tuple, dict[str, float]] = {}
-    method_ids = current_ids(mid, args.options)
+    method_ids = CurrentIds(mid, args.options)
 
     def record(method, ratio, length, stages):
         """Keep a method's stage times and write them at once (an interrupted run keeps them); the
@@ -456,16 +457,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def current_ids(model_id: str, options: dict):
-    """The indexer and options ids a timing row of a method at a kept fraction carries
-    (``--option`` included, for ARC-KV / Attention Matching methods;
-    :class:`~arckv_press.runinfo.CurrentIds`)."""
-    from arckv_press.registry import press_options
-    from arckv_press.runinfo import CurrentIds
-
-    return CurrentIds(model_id, lambda method: press_options(method, options))
-
-
 def summary_from_csv(args) -> None:
     """Print the model section's summary and ratios from ``args.out``, from the rows of one run: the
     last one that wrote a row for these methods and lengths with the options they use now (with
@@ -474,7 +465,7 @@ def summary_from_csv(args) -> None:
     from arckv_press.runinfo import read_rows
 
     model = args.model or DEFAULT_MODEL_ID
-    ids = current_ids(model, args.options)
+    ids = CurrentIds(model, args.options)
     rows = [r for r in read_rows(args.out) if r["section"] == "model" and int(r["length"]) in args.lengths
             and (r["method"] == "none" or (r["method"] in args.methods and ids.matches(r)))]
     if not rows:

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     documents = split_documents_of(args.split, tok, haystack, n_docs, args.doc_tokens, args.cont_tokens)
     options = {m: press_options(m, args.options) for m in methods}
     # rows of another indexer checkpoint or config do not count
-    ids = CurrentIds(mid, options.get)
+    ids = CurrentIds(mid, args.options)
     rows = read_rows(args.out)
     done = {row_key(r["method"], r["ratio"], r["doc"], r["doc_tokens"], r["cont_tokens"], r["model"]) for r in rows
             if r["method"] in methods and ids.matches(r)}

@@ -295,20 +295,24 @@ def newest_rows(rows: list[dict]) -> tuple[dict[str, str], list[dict]]:
     return newest, [r for r in rows if ids_of(r) == newest]
 
 
-def read_needle(path: Path, common: dict[str, str]) -> list[dict]:
-    """``scripts/needle.py`` CSV -> one row per (model, method, ratio): fraction correct."""
+def _case_rows(path: Path, common: dict[str, str], benchmark: str, task: str, metric: str, score, example_id,
+               keep=lambda r: True, total=None) -> list[dict]:
+    """A per-case CSV (one row per case and method) -> one leaderboard row per (model, method, ratio):
+    the mean of ``score(row)`` over the cases made with :func:`newest_rows`' ids (``total(rows)``
+    instead, when given), each case's score stored under ``example_id(row)``; rows failing ``keep``
+    are left out."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     with open(path, newline="", encoding="utf-8") as f:
         for r in csv.DictReader(f):
-            groups[(r["model"], r["method"], fmt_ratio(r["ratio"]))].append(r)
+            if keep(r):
+                groups[(r["model"], r["method"], fmt_ratio(r["ratio"]))].append(r)
     rows = []
     for (model, method, ratio), rs in sorted(groups.items()):
         newest, rs = newest_rows(rs)
         rows.append({
-            "model": model, "benchmark": "needle", "task": "needle", "method": method, "ratio": ratio,
-            "score": mean(float(r["correct"]) for r in rs), "metric": "correct",
-            "example_scores": example_scores({f"{r['length']}/{fmt_ratio(r['depth'])}/{r['seed']}": float(r["correct"])
-                                              for r in rs}),
+            "model": model, "benchmark": benchmark, "task": task, "method": method, "ratio": ratio,
+            "score": total(rs) if total else mean(score(r) for r in rs), "metric": metric,
+            "example_scores": example_scores({example_id(r): score(r) for r in rs}),
             "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
             "cache_bytes": mean(float(r["cache_bytes"]) for r in rs), **newest,
             "n_examples": len(rs), "n_records": len(rs), "source": _source(path),
@@ -318,31 +322,22 @@ def read_needle(path: Path, common: dict[str, str]) -> list[dict]:
     return rows
 
 
+def read_needle(path: Path, common: dict[str, str]) -> list[dict]:
+    """``scripts/needle.py`` CSV -> one row per (model, method, ratio): fraction correct."""
+    return _case_rows(path, common, "needle", "needle", "correct", lambda r: float(r["correct"]),
+                      lambda r: f"{r['length']}/{fmt_ratio(r['depth'])}/{r['seed']}")
+
+
 def read_fidelity(path: Path, common: dict[str, str]) -> list[dict]:
     """``scripts/bench_fidelity.py`` CSV -> one row per (model, method, ratio): 1 - mean damage.
 
     Rows whose damage is undefined (``nan``: the document did not help its continuation) are left
     out; the full cache (1) and no context (0) are added per model as reference rows.
     """
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    with open(path, newline="", encoding="utf-8") as f:
-        for r in csv.DictReader(f):
-            if r["damage"] not in ("", "nan"):
-                groups[(r["model"], r["method"], fmt_ratio(r["ratio"]))].append(r)
-    rows = []
-    for (model, method, ratio), rs in sorted(groups.items()):
-        newest, rs = newest_rows(rs)
-        rows.append({
-            "model": model, "benchmark": "fidelity", "task": "continuation", "method": method, "ratio": ratio,
-            "score": 1.0 - mean(float(r["damage"]) for r in rs), "metric": "1-damage",
-            "example_scores": example_scores({f"doc{r['doc']}/{r['doc_tokens']}/{r['cont_tokens']}": 1.0 - float(r["damage"])
-                                              for r in rs}),
-            "compaction_seconds": mean(float(r["compaction_s"]) for r in rs),
-            "cache_bytes": mean(float(r["cache_bytes"]) for r in rs), **newest,
-            "n_examples": len(rs), "n_records": len(rs), "source": _source(path),
-            "date": max(r["date"] for r in rs), **common,
-            "package_version": rs[0].get("package_version", common["package_version"]),
-        })
+    rows = _case_rows(path, common, "fidelity", "continuation", "1-damage", lambda r: 1.0 - float(r["damage"]),
+                      lambda r: f"doc{r['doc']}/{r['doc_tokens']}/{r['cont_tokens']}",
+                      keep=lambda r: r["damage"] not in ("", "nan"),
+                      total=lambda rs: 1.0 - mean(float(r["damage"]) for r in rs))
     for model in sorted({r["model"] for r in rows}):
         date = max(r["date"] for r in rows if r["model"] == model)
         for method, ratio, score in (("none", "1", 1.0), ("no-context", "0", 0.0)):

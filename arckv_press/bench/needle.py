@@ -83,26 +83,6 @@ def case_key(method: str, ratio, length, depth, seed) -> tuple:
     return (method, round(float(ratio), 6), int(length), round(float(depth), 6), int(seed))
 
 
-def indexer_options(name: str, indexer: str | None, options: dict | None = None) -> dict:
-    """The press options of method ``name``: ``{"indexer": indexer}`` for a method that uses the
-    learned indexer when a checkpoint path is given (``--indexer``; else the shipped checkpoint),
-    plus the press arguments of the ``CompactionConfig`` fields ``options`` (``--option``,
-    :func:`arckv_press.registry.press_options`)."""
-    from arckv_press.methods import METHODS
-    from arckv_press.registry import press_options
-
-    out = {"indexer": indexer} if indexer is not None and METHODS[name].uses_indexer else {}
-    return {**out, **press_options(name, options)}
-
-
-def current_ids(mid: str, indexer: str | None = None, options: dict | None = None) -> CurrentIds:
-    """The indexer checkpoint id and compaction config id a result of a method at a kept fraction
-    must carry (:class:`~arckv_press.runinfo.CurrentIds`; empty strings where a method has none);
-    ``indexer``: the checkpoint path of ``--indexer`` (default: the shipped one); ``options``:
-    ``--option`` press options of the ARC-KV / AM methods."""
-    return CurrentIds(mid, lambda name: indexer_options(name, indexer, options))
-
-
 class TimedPress:
     """Wraps a press so that the time spent inside ``with press(model)`` is recorded (the
     pipeline's context prefill plus the compression, including work done when the block exits)."""
@@ -144,10 +124,10 @@ def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, in
 
     from arckv_press.attention import disable_compact_attention
     from arckv_press.methods import METHODS
-    from arckv_press.registry import make_press
+    from arckv_press.registry import make_press, press_options
 
     extra, options = options, {"tokenizer": tok} if METHODS[name].ours else {}
-    press = make_press(name, ratio, **options, **indexer_options(name, indexer, extra))
+    press = make_press(name, ratio, **options, **press_options(name, extra, indexer))
     timed = TimedPress(press)
     for module in attention_modules(model):  # stale KVzip masks from an earlier case
         module.masked_key_indices = None
@@ -198,7 +178,7 @@ def run(args, meta: dict) -> None:
 
     model, tok = load_model(args.model)
     mid = model_id(model)
-    ids = current_ids(mid, args.indexer, args.options)
+    ids = CurrentIds(mid, args.options, args.indexer)
     done = {case_key(r["method"], r["ratio"], r["length"], r["depth"], r["seed"]) for r in read_rows(args.out)
             if r["method"] in {*args.methods, "none"} and ids.matches(r)}  # a new checkpoint or default reruns its methods
     todo = [c for c in build_cases(args) if case_key(*c) not in done]

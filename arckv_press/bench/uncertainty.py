@@ -7,7 +7,6 @@ leaderboard is reproducible from the per-example scores stored with it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,9 +87,3 @@ def paired_comparison(a: dict, b: dict, level: float = 0.95, seed: int = 0,
     low, high = mean_interval(d, level, seed, resamples)
     return Comparison(len(common), float(d.mean()), low, high, sign_test(d), int((d > 0).sum()), int((d < 0).sum()))
 
-
-def format_interval(low: float, high: float) -> str:
-    """``[low, high]`` with three decimals (NaN-safe)."""
-    if any(math.isnan(v) for v in (low, high)):
-        return "-"
-    return f"[{low:.3f}, {high:.3f}]"
