@@ -44,13 +44,14 @@ from arckv_press.compaction.reference import (
     mix_sources,
     subsample_rows,
 )
-from arckv_press.compaction.select import POOLINGS, global_budgets, per_head_budgets
+from arckv_press.compaction.select import POOLINGS, corrected_scores, global_budgets, per_head_budgets
 from arckv_press.methods import method as lookup_method
 
 __all__ = ["CompactionConfig", "config_id", "compact", "compact_prefilled", "CompactionReport",
            "LAMBDA_SCHEDULE", "scheduled_lambda_m"]
 
 PIPELINES = ("fused", "separate")
+INDEXER_ROWS = ("all", "budget", "corrected")  # CompactionConfig.indexer_rows
 
 # (smallest kept fraction, lambda_m) steps, largest first: the default key-merging coefficient of
 # Eq. (key_merge) at a kept fraction. Chosen on the development split of the fidelity benchmark
@@ -133,9 +134,18 @@ class CompactionConfig:
             but those heads lose the mass of the positions they drop, and continuation damage
             rises. ``None`` (default) = every head is merged and fitted.
         indexer_rows: fused pipeline, method ``arckv``: the reference rows the learned indexer
-            scores, ``"all"`` captured rows (default; as HA and VI scores are pooled) or the
+            scores, ``"all"`` captured rows (default; as HA and VI scores are pooled), the
             ``"budget"`` rows only (the paper's n_score setting: about G T / query_budget times less
-            scoring work, but anchors picked for a planted needle by its few sharp rows are missed).
+            scoring work, but anchors picked for a planted needle by its few sharp rows are missed),
+            or ``"corrected"``: ``score_rows`` of the budget rows, with a base selector pooled over
+            every row by the reference pass as a control variate (the residual indexer's own base,
+            HA or VI; HA for the paper's form;
+            :func:`~arckv_press.compaction.select.corrected_scores`): an unbiased estimate of
+            ``"all"`` at about the cost of HA's scores, but with a large variance for a key that
+            only a few rows attend to (a planted needle); rms or mean pooling.
+        score_rows: ``indexer_rows="corrected"``: reference rows per KV head the learned indexer
+            scores, a seeded subsample of the budget rows (as ``merge_rows``); ``None`` = every
+            budget row.
         fit_scope: ARC-KV: the anchors whose beta and C_v are fitted, ``"merged"`` (default: only
             anchors that absorbed other positions; the others keep their own key, value and
             beta = 0) or ``"all"`` (the paper; :class:`~arckv_press.compaction.layer.LayerMethod`).
@@ -174,6 +184,7 @@ class CompactionConfig:
     max_head_multiple: float | None = None
     verbatim_fraction: float | None = None
     indexer_rows: str = "all"
+    score_rows: int | None = 512
     fit_scope: str = "merged"
     anchor_search: str = "scores"
 
@@ -201,8 +212,14 @@ class CompactionConfig:
                                                        and math.isfinite(self.max_head_multiple)
                                                        and self.max_head_multiple >= 1):
             raise ValueError(f"max_head_multiple must be a number >= 1 or None, got {self.max_head_multiple!r}")
-        if self.indexer_rows not in ("all", "budget"):
-            raise ValueError(f"indexer_rows must be 'all' or 'budget', got {self.indexer_rows!r}")
+        if self.score_rows is not None and (isinstance(self.score_rows, bool) or not isinstance(self.score_rows, int)
+                                            or self.score_rows < 1):
+            raise ValueError(f"score_rows must be a positive int or None, got {self.score_rows!r}")
+        if self.indexer_rows not in INDEXER_ROWS:
+            raise ValueError(f"indexer_rows must be one of {INDEXER_ROWS}, got {self.indexer_rows!r}")
+        if self.method == "arckv" and self.indexer_rows == "corrected" and self.pooling == "max":
+            raise ValueError("indexer_rows='corrected' estimates a mean over rows: it needs pooling 'rms' or 'mean', "
+                             "not 'max'")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
         if self.merge_rows is not None and (isinstance(self.merge_rows, bool) or not isinstance(self.merge_rows, int)
@@ -226,7 +243,7 @@ class CompactionConfig:
 
 
 _RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")
-_INDEXER_ONLY_FIELDS = ("indexer_rows",)  # options only the learned indexer's method reads  # never change a result (the indexer has its own id)
+_INDEXER_ONLY_FIELDS = ("indexer_rows", "score_rows")  # options only the learned indexer's method reads  # never change a result (the indexer has its own id)
 _ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation", "min_head_fraction", "fit_witnesses",
                       "pipeline", "merge_rows", "max_head_multiple", "verbatim_fraction", "fit_scope",
                       "anchor_search")
@@ -234,7 +251,7 @@ _ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation
 
 # options added after results were stored: they enter the id only when set to something else, so
 # the ids (and the stored rows) of the configurations that existed before stay valid
-_OMITTED_AT_DEFAULT = {"anchor_search": "scores"}
+_OMITTED_AT_DEFAULT = {"anchor_search": "scores", "score_rows": 512}
 
 
 def _canonical(value):
@@ -458,7 +475,7 @@ def compact_prefilled(
         n_rows = 0
     elif _fused(config):
         layer_results, n_rows = _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, config, method,
-                                               framing, indexer, budgets, plan, timings, H)
+                                               framing, indexer, budgets, plan, timings, H, G)
     else:
         layer_results, n_rows = _compact_separate(model, tokenizer, cache, context_ids, prefix_len, layers, config,
                                                   method, framing, indexer, budgets, plan, context_queries, timings, H, G)
@@ -506,7 +523,7 @@ def _fused(config: CompactionConfig) -> bool:
 
 
 def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, indexer,
-                   budgets, plan, timings, H):
+                   budgets, plan, timings, H, G):
     """Stages of the fused pipeline: one repeat-prefill gathering every statistic, allocation,
     then each layer from its statistics (:func:`compact_layer_from_stats`)."""
     T = context_ids.shape[1] - prefix_len
@@ -514,27 +531,35 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
     t0 = time.perf_counter()
     bar = _progress(config, T, "repeat-prefill")
     base_pos = plan.repeat_rows
-    score_pos = base_pos if config.indexer_rows == "budget" else torch.arange(T)  # rows the indexer scores
+    score_pos = indexer_positions(config, base_pos, T, G)
+    pass_selector = selector
+    if selector == "indexer":  # the pass pools the residual indexer's base only as its control variate
+        pass_selector = _control_selector(indexer, model, layers) if config.indexer_rows == "corrected" else "none"
     cap = repeat_prefill_stats(model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, layers,
-                               prefix_len, selector="none" if selector == "indexer" else selector, pooling=config.pooling,
+                               prefix_len, selector=pass_selector, pooling=config.pooling,
                                x_positions=score_pos if selector == "indexer" else None,
                                chunk_size=config.repeat_chunk, progress=bar)
     if bar is not None:
         bar.close()
     timings["repeat_prefill"] = time.perf_counter() - t0
     timings["reference_stats"] = cap.stats_seconds  # part of repeat_prefill: the in-pass selection work
-    G = cap.stats[layers[0]].G
     queries = {i: group_queries_by_kv_head(torch.cat(cap.store.q.pop(i), dim=1)[None], H) for i in layers}
 
     base_rows = grouped_rows(base_pos, T, G)
+    score_rows = grouped_rows(score_pos, T, G)
     t0 = time.perf_counter()
     scores = {}
     for i in layers:
-        if selector == "indexer":  # indexer_rows: every captured row or the budget rows
+        if selector == "indexer":  # indexer_rows: every captured row, the budget rows, or those corrected
             K, V = _document_kv(cache, i, prefix_len)
             X = torch.cat(cap.store.x.pop(i), dim=0)
-            Q = queries[i] if config.indexer_rows == "all" else queries[i][:, base_rows.to(K.device)]
-            scores[i] = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling)
+            Q = queries[i] if config.indexer_rows == "all" else queries[i][:, score_rows.to(K.device)]
+            if config.indexer_rows == "corrected":
+                sample, sample_base = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling,
+                                                     base=True, base_scale=_scaling(model, i))
+                scores[i] = corrected_scores(cap.stats[i].scores, sample, sample_base, config.pooling)
+            else:
+                scores[i] = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling)
         else:
             scores[i] = cap.stats[i].scores
     if config.allocation == "global":
@@ -561,6 +586,30 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
     if bar is not None:
         bar.close()
     return results, n_rows
+
+
+def indexer_positions(config: CompactionConfig, base_pos: torch.Tensor, T: int, G: int) -> torch.Tensor:
+    """Document positions whose rows the learned indexer scores (``indexer_rows``): every position,
+    the budget positions ``base_pos``, or (``"corrected"``) a seeded subsample of ``score_rows // G``
+    of them; sorted, as the captured activations are."""
+    if config.indexer_rows == "all":
+        return torch.arange(T)
+    if config.indexer_rows == "corrected" and config.score_rows is not None:
+        return base_pos[subsample_rows(base_pos.numel(), max(1, config.score_rows // G), config.seed + 2)]
+    return base_pos
+
+
+def _control_selector(indexer, model, layers) -> str:
+    """The reference-pass selector whose pooled scores are the control variate of
+    ``indexer_rows="corrected"``: a residual indexer's base (``ha`` or ``vi``), HA for the paper's
+    form. A residual base must be at the model's own softmax scale in every compacted layer (else the
+    pass and the indexer would pool different bases)."""
+    cfg = indexer.config
+    for i in layers:
+        if cfg.base_logit_scale is not None and not math.isclose(cfg.base_logit_scale, _scaling(model, i), rel_tol=1e-6):
+            raise ValueError(f"indexer_rows='corrected': the indexer's base_logit_scale {cfg.base_logit_scale} is not "
+                             f"the model's softmax scale {_scaling(model, i)} (layer {i})")
+    return "vi" if cfg.base_value_influence else "ha"
 
 
 def _compact_separate(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, indexer,

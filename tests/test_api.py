@@ -671,16 +671,76 @@ def test_indexer_on_budget_rows_equals_all_rows_when_the_budget_covers_every_pos
     indexer = ValueAwareIndexer(cfg, seed=5)
     text = make_text(400, seed=3)
     with torch.inference_mode():
-        every = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=100_000)
+        every = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=100_000, indexer_rows="all")
         budget = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=100_000, indexer_rows="budget")
         few = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=24, indexer_rows="budget")
-        few_all = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=24)
+        few_all = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=24, indexer_rows="all")
     for a, b in zip(every.layers, budget.layers):
         assert torch.equal(a.lengths, b.lengths)
         for name in ("ck", "beta", "cv"):
             torch.testing.assert_close(getattr(a, name), getattr(b, name))
     assert any(not torch.equal(a.lengths, b.lengths) or a.ck.shape != b.ck.shape or not torch.equal(a.ck, b.ck)
                for a, b in zip(few.layers, few_all.layers))
+
+
+def test_corrected_indexer_rows_estimate_all_rows_from_the_budget_rows(tiny_model, tiny_tokenizer, monkeypatch):
+    """``indexer_rows="corrected"``: when the budget holds every position the estimate is
+    the all-row score and the cache is the one of ``"all"``; with a small budget each layer's scores
+    are ``corrected_scores`` of the pass's HA scores over every row and the indexer's learned and base
+    scores on ``score_rows`` of the budget rows (recomputed here independently), for the residual and
+    the paper's form (HA at the model's scale); max pooling and a residual base at another scale than
+    the model's are refused."""
+    import arckv_press.api as api_mod
+    from arckv_press.compaction.select import corrected_scores, ha_scores
+    from arckv_press.indexer.model import IndexerConfig, ValueAwareIndexer
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    scaling = describe_attention_layout(model).scaling
+    indexer = ValueAwareIndexer(IndexerConfig.from_model_config(model.config, base_logit_scale=scaling), seed=5)
+    text = make_text(400, seed=3)
+    with torch.inference_mode():
+        every = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=100_000, indexer_rows="all")
+        corrected = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=100_000,
+                            indexer_rows="corrected", score_rows=None)
+    for a, b in zip(every.layers, corrected.layers):
+        assert torch.equal(a.lengths, b.lengths)
+        for name in ("ck", "beta", "cv"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-4, atol=1e-5)
+
+    seen = []
+    real = api_mod.corrected_scores
+    monkeypatch.setattr(api_mod, "corrected_scores", lambda *a: seen.append((a, real(*a))) or seen[-1][1])
+    captured = {}
+    real_scores = ValueAwareIndexer.scores
+
+    def spy(self, layer, X, Q, K, V, **kw):
+        captured[layer] = (X, Q, K, V)
+        return real_scores(self, layer, X, Q, K, V, **kw)
+
+    monkeypatch.setattr(ValueAwareIndexer, "scores", spy)
+    G = describe_attention_layout(model).group_size
+    paper = ValueAwareIndexer(IndexerConfig.from_model_config(model.config), seed=5)
+    for form in (indexer, paper):
+        seen.clear()
+        captured.clear()
+        with torch.inference_mode():
+            compact(model, tok, text, "arckv", 0.25, indexer=form, query_budget=48, indexer_rows="corrected",
+                    score_rows=24)
+        assert len(seen) == 2 and sorted(captured) == [0, 1]
+        for layer, ((full_base, sample, sample_base, pooling), out) in enumerate(seen):
+            X, Q, K, V = captured[layer]
+            assert Q.shape[1] == 24 // G * G and pooling == "rms"  # score_rows of the 48 budget rows
+            torch.testing.assert_close(sample_base, ha_scores(Q, K, scaling), rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(sample, real_scores(form, layer, X, Q, K, V), rtol=1e-5, atol=1e-7)
+            assert full_base.shape == sample.shape and not torch.allclose(full_base, sample_base)
+            torch.testing.assert_close(out, corrected_scores(full_base, sample, sample_base))
+    monkeypatch.undo()
+
+    with pytest.raises(ValueError, match="pooling 'rms' or 'mean'"):
+        CompactionConfig(method="arckv", ratio=0.25, indexer_rows="corrected", pooling="max")
+    off = ValueAwareIndexer(IndexerConfig.from_model_config(model.config, base_logit_scale=scaling * 2), seed=5)
+    with torch.inference_mode(), pytest.raises(ValueError, match="not the model's softmax scale"):
+        compact(model, tok, text, "arckv", 0.25, indexer=off, indexer_rows="corrected")
 
 
 def test_omp_anchor_search_takes_the_am_search_on_the_budget_rows(tiny_model, tiny_tokenizer, monkeypatch):

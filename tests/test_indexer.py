@@ -941,3 +941,31 @@ def test_shipped_checkpoint_is_the_default_models_and_arckv_uses_it(default_mode
     for a, b in zip(default.layers, explicit.layers):
         assert torch.equal(a.lengths, b.lengths) and torch.equal(a.ck, b.ck) and torch.equal(a.cv, b.cv)
     assert any(not torch.equal(a.ck, b.ck) for a, b in zip(default.layers, ha.layers))
+
+
+@pytest.mark.parametrize("vi", [False, True])
+@pytest.mark.parametrize("pooling", ["rms", "mean", "max"])
+def test_scores_with_base_pool_the_base_selector_over_the_same_rows(pooling, vi):
+    """``scores(base=True)``: the learned scores as without it, and the residual's base selector (HA or
+    VI, ``compaction.select``) pooled over the same rows, blocked or not; the paper's form has no base."""
+    from arckv_press.compaction.select import ha_scores, vi_scores
+
+    cfg = tiny_config(base_logit_scale=8 ** -0.5, base_value_influence=vi)
+    model = ValueAwareIndexer(cfg)
+    randomize(model, 9)
+    X, Q, K, V = inputs(cfg, n=9, T=13, seed=6)
+    ref = (vi_scores(Q, K, V, 8 ** -0.5, pooling=pooling) if vi else ha_scores(Q, K, 8 ** -0.5, pooling=pooling))
+    for br, bt in ((64, 4096), (4, 5), (1, 13)):
+        s, s_base = model.scores(0, X, Q, K, V, pooling=pooling, block_rows=br, block_T=bt, base=True)
+        torch.testing.assert_close(s, model.scores(0, X, Q, K, V, pooling=pooling), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(s_base, ref.float(), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="base_scale 0.5 is not this residual indexer's"):
+        model.scores(0, X, Q, K, V, base=True, base_scale=0.5)
+    # the paper's form: HA at the scale given as its control variate, the learned scores unchanged
+    paper = ValueAwareIndexer(tiny_config())
+    randomize(paper, 9)
+    s, s_base = paper.scores(0, X, Q, K, V, pooling=pooling, block_T=5, base=True, base_scale=0.4)
+    torch.testing.assert_close(s, paper.scores(0, X, Q, K, V, pooling=pooling), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(s_base, ha_scores(Q, K, 0.4, pooling=pooling).float(), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="needs base_scale"):
+        paper.scores(0, X, Q, K, V, base=True)

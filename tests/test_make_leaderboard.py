@@ -480,3 +480,109 @@ def test_lm_eval_sample_scores_become_example_scores(ml, tmp_path):
     assert rows["cwe"]["ci_low"] <= 0.5 <= rows["cwe"]["ci_high"]
     (folder / "sample_scores.json").unlink()
     assert all(r["example_scores"] == "" for r in ml.read_results(path, {}, False, {"package_version": "0", "command": "c"}))
+
+
+def test_study_tables_in_the_docs_are_the_generated_ones():
+    """docs/results.md's compaction-time and development-split tables and docs/indexer.md's selector
+    table are exactly what study_tables generates from the committed CSVs."""
+    from arckv_press.bench.study_tables import STUDY_BLOCKS, study_marks
+    from arckv_press.runinfo import read_rows
+
+    repo = Path(__file__).resolve().parents[1]
+    for doc, name, source, make in STUDY_BLOCKS:
+        text = (repo / doc).read_text(encoding="utf-8")
+        start_mark, end_mark = study_marks(name, source)
+        start, end = text.index(start_mark), text.index(end_mark)
+        assert text[start + len(start_mark):end].strip("\n") == make(read_rows(repo / source)), (doc, name)
+
+
+def _dev_row(method, ratio, doc, damage, config_id, command="python scripts/bench_fidelity.py --split dev"):
+    return {"method": method, "ratio": ratio, "doc": doc, "damage": damage, "config_id": config_id, "indexer": "",
+            "command": command}
+
+
+def test_development_split_labels_rows_by_their_options_and_todays_defaults():
+    """A row with today's ids is ``default`` (whatever its command said), another one is labelled by
+    its ``--option`` values, or by its config id when its command has none (an earlier default);
+    cells are means over documents, with the count when a cell has fewer documents than the table."""
+    from arckv_press.bench.study_tables import dev_damage, dev_split_markdown, selectors_markdown
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.runinfo import CurrentIds
+
+    ids = CurrentIds(DEFAULT_MODEL_ID)
+    cur = {m: {r: ids(m, r)["config_id"] for r in (0.1, 0.02)} for m in ("arckv-ha", "arckv-vi", "am-omp")}
+    rows = [_dev_row("arckv-ha", "0.1", "0", "0.2", cur["arckv-ha"][0.1], "x --option lambda_m=0.25"),
+            _dev_row("arckv-ha", "0.1", "1", "0.4", cur["arckv-ha"][0.1]),
+            _dev_row("arckv-ha", "0.02", "0", "0.5", cur["arckv-ha"][0.1], "x --option lambda_m=0.25 --threads 1"),
+            _dev_row("arckv-ha", "0.02", "0", "0.7", "feedfacecafe"),
+            _dev_row("arckv-vi", "0.1", "0", "0.3", cur["arckv-vi"][0.1])]
+    damage = dev_damage(rows)
+    assert damage[("arckv-ha", "default")] == {"0.1": (pytest.approx(0.3), 2)}
+    assert damage[("arckv-ha", "lambda_m=0.25")] == {"0.02": (0.5, 1)}  # keep 10%'s coefficient at keep 2%
+    assert damage[("arckv-ha", "config feedfacecafe")] == {"0.02": (0.7, 1)}
+    # a row whose command names no option but whose ids are those of a known option is named by it
+    former = {**_dev_row("arckv", "0.1", "0", "0.5", ""),
+              **CurrentIds(DEFAULT_MODEL_ID, {"indexer_rows": "corrected"})("arckv", 0.1)}
+    assert dev_damage([former]) == {("arckv", "indexer_rows=corrected"): {"0.1": (0.5, 1)}}
+    lines = dev_split_markdown(rows).splitlines()
+    assert lines[0] == "| method | options | keep 10% | keep 2% |"
+    assert lines[2] == "| `arckv-ha` | default | 0.300 |  |"
+    assert "| `arckv-ha` | `lambda_m=0.25` |  | 0.500 (1 docs) |" in lines
+    # the selector table needs a kept fraction every selector has: arckv has none here
+    assert selectors_markdown(rows).startswith("(no kept fraction has development rows of all three selectors")
+    learned = {**_dev_row("arckv", "0.1", "0", "0.25", ""), **CurrentIds(DEFAULT_MODEL_ID)("arckv", 0.1)}
+    table = selectors_markdown([*rows, learned]).splitlines()
+    assert table[0] == "| selector | keep 10% | mean |"
+    assert table[2:] == ["| learned indexer (`arckv`) | **0.250** | **0.250** |", "| HA (`arckv-ha`) | 0.300 | 0.300 |",
+                         "| VI (`arckv-vi`) | 0.300 | 0.300 |"]
+
+
+def test_compaction_time_table_is_the_last_run_with_todays_defaults():
+    """The block shows one run, the last with current ids (an older run and a run with other options
+    are left out), with the same ratio lines bench_compaction.py prints."""
+    from arckv_press.bench.bench_compaction import ratio_lines
+    from arckv_press.bench.study_tables import compaction_time_markdown
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.runinfo import CurrentIds
+
+    cid = CurrentIds(DEFAULT_MODEL_ID)("arckv-ha", 0.1)["config_id"]
+
+    def row(method, stage, seconds, date, config_id="", ratio="0.1", command="run B"):
+        return {"section": "model", "method": method, "ratio": ratio, "length": "4000", "stage": stage,
+                "seconds": str(seconds), "config_id": config_id, "indexer": "", "date": date, "command": command,
+                "machine": "cpu X"}
+
+    rows = [row("none", "prefill", 10, "d1", ratio="1", command="run A"),
+            row("arckv-ha", "repeat_prefill", 30, "d1", cid, command="run A"),
+            row("arckv-ha", "compact_total", 99, "d1", cid, command="run A"),
+            row("none", "prefill", 20, "d2", ratio="1"),
+            row("arckv-ha", "repeat_prefill", 40, "d2", cid), row("arckv-ha", "merge", 2, "d2", cid),
+            row("arckv-ha", "compact_total", 50, "d2", cid),
+            row("am-omp-fast", "am_total", 100, "d2", CurrentIds(DEFAULT_MODEL_ID)("am-omp-fast", 0.1)["config_id"]),
+            row("am-omp-fast", "compact_total", 120, "d2", CurrentIds(DEFAULT_MODEL_ID)("am-omp-fast", 0.1)["config_id"]),
+            row("arckv-ha", "compact_total", 1, "d3", "0ther0ption00", command="run C")]
+    md = compaction_time_markdown(rows)
+    lines = md.splitlines()
+    assert lines[0] == "Run of d2 on cpu X: `run B`"
+    table = [line for line in lines if line.startswith("| 4,000")]
+    assert table[0].split(" | ")[2:5] == ["`arckv-ha`", "20.0", "40.0"] and table[0].endswith("| 10.0 | 50.0 |")
+    assert table[1].endswith("| 100.0 | 120.0 | 120.0 |")
+    results = {("none", 1.0, 4000): {"prefill": 20.0},
+               ("arckv-ha", 0.1, 4000): {"repeat_prefill": 40.0, "merge": 2.0, "compact_total": 50.0},
+               ("am-omp-fast", 0.1, 4000): {"am_total": 100.0, "compact_total": 120.0}}
+    shown = ratio_lines(results, [4000], [0.1])
+    assert len(shown) == 1 and "post/prefill 0.50" in shown[0] and "post 10.00x" in shown[0]
+    assert f"- {shown[0].strip()}" in lines
+
+
+def test_study_docs_without_their_markers_are_refused_unchanged(tmp_path):
+    from arckv_press.bench.study_tables import STUDY_BLOCKS, update_study_docs
+
+    for doc, _, source, _ in STUDY_BLOCKS:
+        (tmp_path / doc).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / doc).write_text("no markers\n")
+        (tmp_path / source).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / source).write_text("")
+    with pytest.raises(ValueError, match="must contain the lines"):
+        update_study_docs(tmp_path)
+    assert all((tmp_path / doc).read_text() == "no markers\n" for doc, *_ in STUDY_BLOCKS)

@@ -379,3 +379,49 @@ def test_check_ratio_is_the_one_kept_fraction_validator():
     for bad in (True, "0.1", None):
         with pytest.raises(TypeError, match="ratio must be a float"):
             check_ratio(bad)
+
+
+@pytest.mark.parametrize("pooling", ["rms", "mean"])
+def test_corrected_scores_average_to_the_all_row_score_over_every_sample(pooling):
+    """The control-variate estimate is unbiased: averaged over every sample of k of the n rows (by
+    brute force, all C(n, k) of them, none clamped here), it is exactly the learned score pooled over
+    all rows; with the whole set as the sample it is that score."""
+    from itertools import combinations
+
+    from arckv_press.compaction.select import corrected_scores
+
+    g = torch.Generator().manual_seed(3)
+    H, n, T, k = 2, 7, 5, 3
+    base = torch.softmax(torch.randn(H, n, T, generator=g, dtype=torch.float64), -1)
+    learned = torch.softmax(base.log() + 0.3 * torch.randn(H, n, T, generator=g, dtype=torch.float64), -1)
+
+    def pooled(x):  # [H, rows, T] -> [H, T]
+        return x.square().mean(1).sqrt() if pooling == "rms" else x.mean(1)
+
+    full, full_base = pooled(learned), pooled(base)
+    torch.testing.assert_close(corrected_scores(full_base, full, full_base, pooling).double(), full, rtol=1e-6, atol=0)
+    power = 2 if pooling == "rms" else 1
+    estimates = []
+    for rows in combinations(range(n), k):
+        rows = list(rows)
+        est = corrected_scores(full_base, pooled(learned[:, rows]), pooled(base[:, rows]), pooling).double()
+        raw = full_base ** power + pooled(learned[:, rows]) ** power - pooled(base[:, rows]) ** power
+        assert (raw > 0).all()  # no clamping in this example, so the average is exact
+        estimates.append(est ** power)
+    torch.testing.assert_close(torch.stack(estimates).mean(0), full ** power, rtol=1e-5, atol=1e-9)
+    # where the indexer agrees with its base on the sample, the estimate is the base's all-row score
+    torch.testing.assert_close(corrected_scores(full_base, full_base * 0.5, full_base * 0.5, pooling), full_base.float())
+
+
+def test_corrected_scores_clamps_and_refuses_bad_input():
+    from arckv_press.compaction.select import corrected_scores
+
+    a = torch.tensor([[0.1, 0.2]])
+    out = corrected_scores(a, torch.tensor([[0.0, 0.0]]), torch.tensor([[0.5, 0.1]]))
+    torch.testing.assert_close(out, torch.tensor([[0.0, math.sqrt(0.04 - 0.01)]]))
+    with pytest.raises(ValueError, match="max pooling"):
+        corrected_scores(a, a, a, "max")
+    with pytest.raises(ValueError, match="sample has shape"):
+        corrected_scores(a, a[:, :1], a)
+    with pytest.raises(ValueError, match="pooling"):
+        corrected_scores(a, a, a, "sum")

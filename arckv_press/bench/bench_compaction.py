@@ -28,7 +28,9 @@ query head and position (``Q [H, G, T, D]``, H = 3, G = 3, D = 64): the statisti
 (``post``: top-t, witnesses, merging, fits), against ``am_compact(..., "omp-fast")`` on
 n = max(``--queries`` (2048), 2 t) rows, T from 1024 up to ``--max-T``. OMP-fast is not run at a
 length once a shorter one took more than ``--omp-cap`` seconds. When the default model's indexer
-is shipped, its anchor selection (layer 0's parameters on the budget rows) is timed too.
+is shipped, its anchor selection as ``indexer_rows="corrected"`` (layer 0's parameters on
+``score_rows`` of the budget rows, corrected by the pass's HA scores) is timed too; scoring every
+row, the default, is timed in the model section.
 
     python scripts/bench_compaction.py --quick
     python scripts/bench_compaction.py --lengths 1K 2K 4K 8K --repeats 3 --max-T 65536
@@ -235,14 +237,22 @@ def print_model_summary(results: dict, args, methods: list[str]) -> None:
           "compression)")
 
     print("\nratios from this run (issue goals in brackets; post = everything after the repeat-prefill):")
-    for length in args.lengths:
+    for line in ratio_lines(results, args.lengths, args.ratios):
+        print(line)
+
+
+def ratio_lines(results: dict, lengths: list[int], ratios: list[float]) -> list[str]:
+    """The ratios of one run against the goals of the fast-compaction issue, one line each:
+    post-repeat time and repeat-prefill per prefill, OMP / ARC-KV, indexer / HA selection, growth."""
+    lines = []
+    for length in lengths:
         if ("none", 1.0, length) not in results:  # an interrupted run (--summary) that did not reach it
             continue
         pre = results[("none", 1.0, length)]["prefill"]
         plain = results[("none", 1.0, length)].get("repeat_plain")
         if plain is not None:
-            print(f"{length:>6} tok: plain repeat-prefill (own attention, no statistics) / prefill {plain / pre:.2f}")
-        for ratio in args.ratios:
+            lines.append(f"{length:>6} tok: plain repeat-prefill (own attention, no statistics) / prefill {plain / pre:.2f}")
+        for ratio in ratios:
             for name in ("arckv", "arckv-ha", "arckv-vi"):  # each ARC-KV variant of the run against OMP
                 arc = results.get((name, ratio, length))
                 if arc is None:
@@ -255,19 +265,20 @@ def print_model_summary(results: dict, args, methods: list[str]) -> None:
                     if o is not None:
                         parts.append(f"{omp} select+fit / {name} post {o['am_total'] / post:.2f}x [>= {goal}]; "
                                      f"end to end {o['compact_total'] / arc['compact_total']:.2f}x [>= {e2e_goal}, arckv-ha 4K]")
-                print("; ".join(parts))
+                lines.append("; ".join(parts))
             idx, ha = results.get(("arckv", ratio, length)), results.get(("arckv-ha", ratio, length))
             if idx is not None and ha is not None:
-                print(f"{length:>6} tok, rho {ratio:g}: indexer selection / HA selection "
-                      f"{selection_seconds(idx) / selection_seconds(ha):.2f} [<= 1.5 at 8K] "
-                      f"({selection_seconds(idx):.2f} s / {selection_seconds(ha):.2f} s, in-pass statistics included)")
-    for short, long in zip(args.lengths, args.lengths[1:]):
-        for ratio in args.ratios:
+                lines.append(f"{length:>6} tok, rho {ratio:g}: indexer selection / HA selection "
+                             f"{selection_seconds(idx) / selection_seconds(ha):.2f} [<= 1.5 at 8K] "
+                             f"({selection_seconds(idx):.2f} s / {selection_seconds(ha):.2f} s, in-pass statistics included)")
+    for short, long in zip(lengths, lengths[1:]):
+        for ratio in ratios:
             for name in ("arckv", "arckv-ha", "arckv-vi"):
                 a, b = results.get((name, ratio, short)), results.get((name, ratio, long))
                 if a is not None and b is not None:
-                    print(f"{name} rho {ratio:g}: post-repeat grows {post_repeat(b) / post_repeat(a):.2f}x from {short} "
-                          f"to {long} tokens [<= 2.5 from 4K to 8K]")
+                    lines.append(f"{name} rho {ratio:g}: post-repeat grows {post_repeat(b) / post_repeat(a):.2f}x from "
+                                 f"{short} to {long} tokens [<= 2.5 from 4K to 8K]")
+    return lines
 
 
 def post_repeat(stages: dict[str, float]) -> float:
@@ -294,19 +305,23 @@ def _synthetic_indexer(H: int, D: int):
     return indexer
 
 
-def _indexer_selection(indexer, X, Q, K, V, budgets, scaling):
-    """ARC-KV's anchor selection with the learned indexer (layer 0): one scoring pass + top-t."""
-    from arckv_press.compaction.layer import LayerMethod, anchor_scores
-    from arckv_press.compaction.select import chunked_topk_anchors
+def _indexer_selection(indexer, X, Q, K, V, budgets, scaling, full_base):
+    """ARC-KV's anchor selection with the learned indexer (layer 0) as ``indexer_rows="corrected"``: its
+    learned and base scores on the scored rows ``Q`` (``X`` aligned), corrected by the base pooled over
+    every row (``full_base``, which the statistics pass computes), then top-t."""
+    from arckv_press.compaction.layer import LayerMethod
+    from arckv_press.compaction.select import chunked_topk_anchors, corrected_scores
 
     method = LayerMethod("arckv")
-    scores = anchor_scores(method, Q, K, V, scaling, X, indexer, 0)
+    sample, sample_base = indexer.scores(0, X, Q, K, V, pooling=method.pooling, base=True, base_scale=scaling)
+    scores = corrected_scores(full_base, sample, sample_base, method.pooling)
     return chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
 
 
-def _fused_layer(K, V, Q4, budgets, scaling, method, base_rows, merge_rows) -> dict[str, float]:
+def _fused_layer(K, V, Q4, budgets, scaling, method, base_rows, merge_rows) -> tuple[dict[str, float], torch.Tensor]:
     """The default ARC-KV pipeline on one synthetic layer: the reference pass's statistics over every
-    row (as the repeat-prefill gathers them), then :func:`compact_layer_from_stats`; stage seconds."""
+    row (as the repeat-prefill gathers them), then :func:`compact_layer_from_stats`; stage seconds and
+    the pass's HA scores over every row."""
     from arckv_press.compaction.layer import compact_layer_from_stats
     from arckv_press.compaction.stats import ReferenceStats, split_attention
 
@@ -319,11 +334,11 @@ def _fused_layer(K, V, Q4, budgets, scaling, method, base_rows, merge_rows) -> d
     res = compact_layer_from_stats(K, V, Q4.reshape(H, G * N, D), st.result(), budgets, scaling, method, base_rows,
                                    merge_rows)
     t2 = time.perf_counter()
-    return {"reference_pass": t1 - t0, **res.timings, "post": t2 - t1, "total": t2 - t0}
+    return {"reference_pass": t1 - t0, **res.timings, "post": t2 - t1, "total": t2 - t0}, st.scores
 
 
 def synthetic_section(args, meta: dict) -> list[dict]:
-    from arckv_press.api import CompactionConfig
+    from arckv_press.api import CompactionConfig, indexer_positions
     from arckv_press.compaction.omp import am_compact
     from arckv_press.compaction.reference import grouped_rows, subsample_rows
 
@@ -339,7 +354,8 @@ def synthetic_section(args, meta: dict) -> list[dict]:
           f"statistics pass ('pass', done inside the repeat-prefill on a model) and everything after it ('post': "
           f"top-t, witnesses, merging on {config.merge_rows} rows, fits on the {config.query_budget} budget rows + "
           f"witnesses). OMP-fast on n = max({args.queries}, 2t) rows. "
-          + ("Learned indexer: the shipped one, layer 0, on the budget rows." if indexer is not None else
+          + (f"Learned indexer: the shipped one, layer 0, selection with indexer_rows='corrected' (its scores on "
+             f"{config.score_rows} budget rows, corrected by HA over every row)." if indexer is not None else
              "No learned indexer shipped."))
     head = (f"{'T':>6} {'rho':>5} | {'pass s':>8} {'post s':>8} {'merge':>7} {'beta':>7} {'C_v':>7} {'total':>8} | "
             f"{'idx-sel s':>9} | {'omp-fast s':>10} {'omp/post':>9}")
@@ -354,31 +370,31 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                 "seconds": f"{seconds:.4f}", "repeats": args.repeats, "threads": torch.get_num_threads(),
                 "dtype": "float32", **meta}
 
-    def budget_rows(T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def budget_rows(T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pos = subsample_rows(T, config.query_budget // G, config.seed)
         merge = pos[subsample_rows(pos.numel(), config.merge_rows // G, config.seed + 1)]
-        return grouped_rows(pos, T, G), grouped_rows(merge, T, G)
+        return grouped_rows(pos, T, G), grouped_rows(merge, T, G), grouped_rows(indexer_positions(config, pos, T, G), T, G)
 
     # warm-up (untimed)
     Kw, Vw = torch.randn(H, 512, D, generator=gen), torch.randn(H, 512, D, generator=gen)
     Qw = torch.randn(H, G, 512, D, generator=gen)
-    _fused_layer(Kw, Vw, Qw, torch.full((H,), 51), scaling, method, *budget_rows(512))
+    _fused_layer(Kw, Vw, Qw, torch.full((H,), 51), scaling, method, *budget_rows(512)[:2])
     am_compact(Qw.reshape(H, -1, D)[:, :256], Kw, Vw, torch.full((H,), 51), scaling, "omp-fast")
 
     for T in Ts:
         K, V = torch.randn(H, T, D, generator=gen), torch.randn(H, T, D, generator=gen)
         Q4 = torch.randn(H, G, T, D, generator=gen)
-        base, merge = budget_rows(T)
+        base, merge, score = budget_rows(T)
         for ratio in args.synthetic_ratios:
             t = max(1, int(ratio * T))
             budgets = torch.full((H,), t)
-            arc = median_stages([_fused_layer(K, V, Q4, budgets, scaling, method, base, merge)
-                                 for _ in range(args.repeats)])
+            runs = [_fused_layer(K, V, Q4, budgets, scaling, method, base, merge) for _ in range(args.repeats)]
+            arc, full_base = median_stages([r[0] for r in runs]), runs[0][1]
             idx_sel = None
             if indexer is not None:
-                Qb = Q4.reshape(H, -1, D)[:, base]
-                X = torch.randn(Qb.shape[1], indexer.config.d_x, generator=gen)
-                idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Qb, K, V, budgets, scaling),
+                Qs = Q4.reshape(H, -1, D)[:, score]
+                X = torch.randn(Qs.shape[1], indexer.config.d_x, generator=gen)
+                idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Qs, K, V, budgets, scaling, full_base),
                                          args.repeats, warmup=0)
                 rows.append(timing_row("arckv", ratio, T, "selection", idx_sel))
             omp = None
@@ -457,6 +473,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def last_model_run(rows: list[dict], ids: CurrentIds | None = None, methods=None, lengths=None
+                   ) -> tuple[dict[str, str], dict[tuple, dict[str, float]]]:
+    """The model-section rows of one run, the last one that wrote a row with the ids each method uses
+    now (``ids``; default: today's defaults for the default model), restricted to ``methods`` and
+    ``lengths`` when given: ``(run, results)`` with ``run`` its ``date``, ``command`` and ``machine``
+    and ``results[(method, ratio, length)] = {stage: seconds}``. An interrupted run counts."""
+    from arckv_press.models import DEFAULT_MODEL_ID
+
+    ids = ids or CurrentIds(DEFAULT_MODEL_ID)
+    rows = [r for r in rows if r["section"] == "model" and (lengths is None or int(r["length"]) in lengths)
+            and (r["method"] == "none" or ((methods is None or r["method"] in methods) and ids.matches(r)))]
+    if not rows:
+        raise ValueError("no model-section rows for these methods and lengths with the current options")
+    last = rows[-1]
+    results: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if (r["date"], r["command"]) == (last["date"], last["command"]):
+            results.setdefault((r["method"], float(r["ratio"]), int(r["length"])), {})[r["stage"]] = float(r["seconds"])
+    return {k: last[k] for k in ("date", "command", "machine")}, results
+
+
 def summary_from_csv(args) -> None:
     """Print the model section's summary and ratios from ``args.out``, from the rows of one run: the
     last one that wrote a row for these methods and lengths with the options they use now (with
@@ -464,18 +501,12 @@ def summary_from_csv(args) -> None:
     from arckv_press.models import DEFAULT_MODEL_ID
     from arckv_press.runinfo import read_rows
 
-    model = args.model or DEFAULT_MODEL_ID
-    ids = CurrentIds(model, args.options)
-    rows = [r for r in read_rows(args.out) if r["section"] == "model" and int(r["length"]) in args.lengths
-            and (r["method"] == "none" or (r["method"] in args.methods and ids.matches(r)))]
-    if not rows:
-        raise SystemExit(f"{args.out} has no model-section rows for these methods and lengths")
-    last = (rows[-1]["date"], rows[-1]["command"])  # ratios of one run only: the one written last
-    results: dict[tuple, dict[str, float]] = {}
-    for r in rows:
-        if (r["date"], r["command"]) == last:
-            results.setdefault((r["method"], float(r["ratio"]), int(r["length"])), {})[r["stage"]] = float(r["seconds"])
-    print(f"run of {last[0]} on {rows[-1]['machine']}: {last[1]}")
+    try:
+        run, results = last_model_run(read_rows(args.out), CurrentIds(args.model or DEFAULT_MODEL_ID, args.options),
+                                      args.methods, args.lengths)
+    except ValueError as e:
+        raise SystemExit(f"{args.out}: {e}") from None
+    print(f"run of {run['date']} on {run['machine']}: {run['command']}")
     if not any(k[0] == "none" for k in results):
         raise SystemExit(f"{args.out} has no prefill time at lengths {args.lengths}")
     print_model_summary(results, args, [m for m in args.methods if any(k[0] == m for k in results)])

@@ -780,7 +780,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--results-doc", default=None,
                    help="file whose per-benchmark tables (between their markers) are rewritten (default: "
                         "docs/results.md when --out-dir is the default leaderboards/, else none)")
+    p.add_argument("--study-docs", default=None,
+                   help="checkout whose docs' study tables (compaction time, development split, selectors) are "
+                        "rewritten from its CSVs (default: this checkout when --out-dir is the default, else none)")
     args = p.parse_args(argv)
+    if args.study_docs is None and args.out_dir is None:
+        args.study_docs = str(REPO)
     if args.readme is None and args.out_dir is None:
         args.readme = str(REPO / "README.md")
     if args.results_doc is None and args.out_dir is None:
@@ -842,6 +847,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.results_doc:
         changed = update_results_doc(Path(args.results_doc), rows)
         print(f"per-benchmark tables {'updated' if changed else 'unchanged'} in {args.results_doc}")
+    if args.study_docs:
+        from .study_tables import update_study_docs
+
+        changed_docs = update_study_docs(Path(args.study_docs))
+        print(f"study tables updated in {', '.join(changed_docs)}" if changed_docs else "study tables unchanged")
     print(markdown(rows))
     return rows
 

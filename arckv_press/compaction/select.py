@@ -7,6 +7,7 @@ reference-query rows blockwise, so an ``[H, n, T]`` tensor is never materialised
 - :class:`RowPool` accumulates sum / sum of squares / running max over row blocks;
 - :func:`pool_rows`, :func:`pool_probs`, :func:`pool_logits`, :func:`pooled_softmax_scores`
   are thin drivers around it (paper Eq. (indexer_pooling));
+- :func:`corrected_scores` estimates a residual indexer's all-row score from a row sample;
 - :func:`ha_scores` and :func:`vi_scores` are the highest-attention and value-influence
   selectors of paper Eq. (background_value_selectors);
 - :func:`per_head_budgets` distributes the nominal budget (paper Eq. (per_head_budget));
@@ -240,6 +241,37 @@ def vi_scores(
 _BUDGET_EPS = 1e-6  # absorbs float error so that uniform weights give exactly floor(ratio * T)
 
 
+def corrected_scores(full_base: torch.Tensor, sample: torch.Tensor, sample_base: torch.Tensor,
+                     pooling: str = "rms") -> torch.Tensor:
+    """The learned indexer's pooled score over every reference row (Eq. (indexer_pooling)),
+    estimated from a sample of rows with its base selector as a control variate.
+
+    For ``rms`` pooling the square is a mean over rows: with ``m(x) = mean_i x_ij`` over all rows
+    and ``m_S`` over the sampled rows, ``m(pi^2) = m(b^2) + m(pi^2 - b^2)``, and the second term is
+    estimated on the sample::
+
+        s_j^2 ~= full_base_j^2 + sample_j^2 - sample_base_j^2
+
+    where ``b`` is the base distribution (HA's ``softmax_j(s_0 q_i . k_j)`` or VI's ``Dn_ij``) the
+    residual indexer corrects, pooled exactly over all rows by the reference pass. The estimate is
+    unbiased for a uniform sample, exact when the sample holds every row, and equal to the base score
+    where the indexer agrees with its base; a key whose only sharp row is not sampled keeps the base's
+    score for it instead of losing it. ``mean`` pooling: the same without squares. Clamped at 0.
+    ``max`` pooling is not a mean and is refused. Inputs ``[H, T]``; returns float32 ``[H, T]``.
+    """
+    _check_pooling(pooling)
+    if pooling == "max":
+        raise ValueError("corrected_scores needs rms or mean pooling (a mean over rows); max pooling is not")
+    for name, t in (("full_base", full_base), ("sample", sample), ("sample_base", sample_base)):
+        check_tensor(t, name, 2)
+        if t.shape != full_base.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(full_base.shape)}")
+    full_base, sample, sample_base = (t.double() for t in (full_base, sample, sample_base))
+    if pooling == "mean":
+        return (full_base + sample - sample_base).clamp_min(0).float()
+    return (full_base.square() + sample.square() - sample_base.square()).clamp_min(0).sqrt().float()
+
+
 def per_head_budgets(
     T: int,
     ratio: float,
@@ -437,6 +469,7 @@ __all__: Sequence[str] = (
     "ha_scores",
     "vi_scores",
     "value_influence",
+    "corrected_scores",
     "per_head_budgets",
     "global_budgets",
     "topk_anchors",

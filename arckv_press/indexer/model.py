@@ -488,25 +488,44 @@ class ValueAwareIndexer(nn.Module):
 
     @torch.no_grad()
     def scores(self, layer: int, X: Tensor, Q: Tensor, K: Tensor, V: Tensor, pooling: str = "rms",
-               block_rows: int = 64, block_T: int = 4096) -> Tensor:
+               block_rows: int = 64, block_T: int = 32768, base: bool = False,
+               base_scale: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Context-level scores ``s [H, T]`` (paper Eq. (indexer_pooling)), computed blockwise.
 
         Rows are processed ``block_rows`` at a time and positions ``block_T`` at a time: the
         value context uses an online softmax over position blocks, then the row-wise softmax
         of ``I`` uses a first pass for the log-partition and a second pass to accumulate the
         pooled statistic, so no ``[n, T]`` tensor is ever formed (peak intermediate
-        ``[H, H_I, block_rows, block_T]``). When ``block_T >= T`` the logits are computed once.
+        ``[H, H_I, block_rows, block_T]``). When ``block_T >= T`` (the default up to 32K
+        positions) the logits are computed once.
         The VI base (``base_value_influence``) needs each row's attention output over the whole
         context, so it holds ``[H, block_rows, T]`` per row block, as ``vi_scores`` does.
         Runs without autograd (inference); training pools differentiable logits instead.
         Same arguments as :meth:`logits`; ``pooling`` in ``rms | mean | max``.
+
+        ``base=True`` also returns a base selector's scores pooled over the same rows,
+        ``(s, s_base)``, the control variate of :func:`arckv_press.compaction.select.corrected_scores`:
+        the residual form's own base (HA's ``softmax_j(s_0 q_i . k_j)``, or VI's ``Dn_ij``), or for the
+        paper's form HA at ``base_scale`` (the model's softmax scale; required there, and for a
+        residual form it must be ``s_0``).
         """
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         _check_block("block_rows", block_rows)
         _check_block("block_T", block_T)
+        cfg = self.config
+        if base_scale is not None and not (base_scale > 0 and math.isfinite(base_scale)):
+            raise ValueError(f"base_scale must be positive, got {base_scale!r}")
+        if base and cfg.base_logit_scale is None and base_scale is None:
+            raise ValueError("scores(base=True) of the paper's indexer needs base_scale (the model's softmax scale): "
+                             "it has no base selector of its own")
+        if cfg.base_logit_scale is not None and base_scale is not None and not math.isclose(
+                base_scale, cfg.base_logit_scale, rel_tol=1e-6):
+            raise ValueError(f"base_scale {base_scale} is not this residual indexer's base_logit_scale "
+                             f"{cfg.base_logit_scale}: the control variate would pool another base")
+        scale0 = cfg.base_logit_scale if cfg.base_logit_scale is not None else (base_scale if base else None)
         X, Q, K, V = self._prepare(layer, X, Q, K, V)
-        cfg, p = self.config, self.layer_params(layer)
+        p = self.layer_params(layer)
         n, T = Q.shape[1], K.shape[1]
         if n < 1:
             raise ValueError(f"scores needs at least one reference row, got Q {tuple(Q.shape)}")
@@ -514,7 +533,8 @@ class ValueAwareIndexer(nn.Module):
         # stored as [H, H_I, d_I, T], the layout pair_logits multiplies by (no copy per row block)
         kbar = kbar.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         kv = value_keys(p, K, V)  # 2 x [H, T, d_A]
-        acc = torch.zeros(Q.shape[0], T, dtype=Q.dtype, device=Q.device)
+        Kt = K.transpose(1, 2)
+        accs = [torch.zeros(Q.shape[0], T, dtype=Q.dtype, device=Q.device) for _ in range(2 if base else 1)]
         t_blocks = [(j0, min(T, j0 + block_T)) for j0 in range(0, T, block_T)]
         for r0 in range(0, n, block_rows):
             Qb, Xb = Q[:, r0:r0 + block_rows], X[r0:r0 + block_rows]
@@ -522,41 +542,48 @@ class ValueAwareIndexer(nn.Module):
             qbar, w = query_features(p, Qb, c, cfg), row_weights(p, Xb)
             log_dn, r = vi_base(Qb, K, V, cfg) if cfg.base_value_influence else (None, None)
 
-            def block_logits(j0: int, j1: int) -> Tensor:
-                I = pair_logits(qbar, kbar[:, j0:j1], w, cfg.leaky_slope)
+            def block_logits(j0: int, j1: int) -> list[Tensor]:
+                """The logits of every pooled distribution at positions j0..j1: the indexer's, then the base's."""
                 if log_dn is not None:
-                    return I + log_dn[:, :, j0:j1]
-                return add_base_logits(I, Qb, K[:, j0:j1], cfg)
+                    b = log_dn[:, :, j0:j1]
+                elif scale0 is not None:
+                    b = (Qb * scale0) @ Kt[:, :, j0:j1]
+                else:
+                    b = None
+                I = pair_logits(qbar, kbar[:, j0:j1], w, cfg.leaky_slope)
+                if b is not None and cfg.base_logit_scale is not None:  # the residual forms add their base
+                    I.add_(b)
+                return [I, b] if base else [I]
 
             if len(t_blocks) == 1:
-                probs = [torch.softmax(block_logits(0, T), dim=-1)]
+                blocks = [[torch.softmax(z, dim=-1) for z in block_logits(0, T)]]
             else:
-                m = s = None  # online log-sum-exp over position blocks
+                stats = None  # online log-sum-exp over position blocks, per pooled distribution
                 for j0, j1 in t_blocks:
-                    I = block_logits(j0, j1)
-                    b_max = I.amax(-1)
-                    if m is None:
-                        m, s = b_max, torch.exp(I - b_max[..., None]).sum(-1)
+                    zs = block_logits(j0, j1)
+                    maxes = [z.amax(-1) for z in zs]
+                    if stats is None:
+                        stats = [(m, torch.exp(z - m[..., None]).sum(-1)) for z, m in zip(zs, maxes)]
                     else:
-                        m_new = torch.maximum(m, b_max)
-                        s = s * torch.exp(m - m_new) + torch.exp(I - m_new[..., None]).sum(-1)
-                        m = m_new
-                lse = (m + torch.log(s))[..., None]
-                probs = (torch.exp(block_logits(j0, j1) - lse) for j0, j1 in t_blocks)
-            for (j0, j1), pi in zip(t_blocks, probs):
-                if r is not None:
-                    pi = pi * r[..., None]
-                if pooling == "rms":
-                    acc[:, j0:j1] += pi.pow(2).sum(1)
-                elif pooling == "mean":
-                    acc[:, j0:j1] += pi.sum(1)
-                else:
-                    acc[:, j0:j1] = torch.maximum(acc[:, j0:j1], pi.amax(1))
-        if pooling == "rms":
-            return (acc / n).sqrt()
-        if pooling == "mean":
-            return acc / n
-        return acc
+                        new = []
+                        for (m, s), z, b_max in zip(stats, zs, maxes):
+                            m_new = torch.maximum(m, b_max)
+                            new.append((m_new, s * torch.exp(m - m_new) + torch.exp(z - m_new[..., None]).sum(-1)))
+                        stats = new
+                lses = [(m + torch.log(s))[..., None] for m, s in stats]
+                blocks = ([torch.exp(z - lse) for z, lse in zip(block_logits(j0, j1), lses)] for j0, j1 in t_blocks)
+            for (j0, j1), probs in zip(t_blocks, blocks):
+                for acc, pi in zip(accs, probs):
+                    if r is not None:
+                        pi = pi.mul_(r[..., None])
+                    if pooling == "rms":
+                        acc[:, j0:j1] += pi.square_().sum(1)
+                    elif pooling == "mean":
+                        acc[:, j0:j1] += pi.sum(1)
+                    else:
+                        acc[:, j0:j1] = torch.maximum(acc[:, j0:j1], pi.amax(1))
+        out = [(acc / n).sqrt() if pooling == "rms" else acc / n if pooling == "mean" else acc for acc in accs]
+        return (out[0], out[1]) if base else out[0]
 
     def extra_repr(self) -> str:
         c = self.config
