@@ -5,12 +5,16 @@ import csv
 from conftest import assert_ratio_of_rounded, load_script
 
 
-def test_synthetic_sweep_prints_the_ratio_of_the_timings_it_writes(tmp_path, capsys):
+def test_synthetic_sweep_prints_the_ratio_of_the_timings_it_writes(tmp_path, capsys, monkeypatch):
     mod = load_script("bench_compaction")
     out = tmp_path / "bench.csv"
     argv = ["--skip-model", "--max-T", "1024", "--queries", "64", "--repeats", "1", "--synthetic-ratios", "0.05",
             "--out", str(out)]
+    scored, real = [], mod._indexer_selection
+    monkeypatch.setattr(mod, "_indexer_selection", lambda *a: scored.append(a[2].shape[1]) or real(*a))
     assert mod.main(argv) == 0
+    # the learned indexer is timed as indexer_rows="corrected": score_rows (512) of the budget rows, G = 3
+    assert scored and set(scored) == {512 // 3 * 3}
     rows = list(csv.DictReader(out.open()))
     assert {r["section"] for r in rows} == {"synthetic"} and {r["length"] for r in rows} == {"1024"}
     arc = {r["stage"]: float(r["seconds"]) for r in rows if r["method"] == "arckv-ha"}
