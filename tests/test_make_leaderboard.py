@@ -485,13 +485,14 @@ def test_lm_eval_sample_scores_become_example_scores(ml, tmp_path):
 def test_study_tables_in_the_docs_are_the_generated_ones():
     """docs/results.md's compaction-time and development-split tables and docs/indexer.md's selector
     table are exactly what study_tables generates from the committed CSVs."""
-    from arckv_press.bench.study_tables import STUDY_BLOCKS, study_marks
+    from arckv_press.bench.make_leaderboard import block_marks
+    from arckv_press.bench.study_tables import STUDY_BLOCKS
     from arckv_press.runinfo import read_rows
 
     repo = Path(__file__).resolve().parents[1]
     for doc, name, source, make in STUDY_BLOCKS:
         text = (repo / doc).read_text(encoding="utf-8")
-        start_mark, end_mark = study_marks(name, source)
+        start_mark, end_mark = block_marks(name, source)
         start, end = text.index(start_mark), text.index(end_mark)
         assert text[start + len(start_mark):end].strip("\n") == make(read_rows(repo / source)), (doc, name)
 

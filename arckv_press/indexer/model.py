@@ -86,6 +86,7 @@ __all__ = [
     "layer_logits",
     "layer_logits_and_row_weights",
     "vi_base",
+    "ha_logits",
     "add_base_logits",
 ]
 
@@ -324,11 +325,17 @@ def pair_logits(qbar: Tensor, kbar: Tensor, w: Tensor, slope: float = 0.1) -> Te
 VI_EPS = 1e-6  # eps of ||O_i||^2 in VI's normalisation, as compaction.select.vi_scores
 
 
+def ha_logits(Q: Tensor, K: Tensor, scale: float) -> Tensor:
+    """The attention logits ``scale * Q K^T`` ``[H, n, T]``: the HA residual form's base, and the HA
+    control variate of :meth:`ValueAwareIndexer.scores` (``base=True``)."""
+    return (Q * scale) @ K.transpose(1, 2)
+
+
 def add_base_logits(I: Tensor, Q: Tensor, K: Tensor, cfg: IndexerConfig) -> Tensor:
     """``I + s_0 * Q K^T`` for the HA residual form (``cfg.base_logit_scale``), else ``I``."""
     if cfg.base_logit_scale is None:
         return I
-    return I + (Q * cfg.base_logit_scale) @ K.transpose(1, 2)
+    return I + ha_logits(Q, K, cfg.base_logit_scale)
 
 
 def vi_base(Q: Tensor, K: Tensor, V: Tensor, cfg: IndexerConfig) -> tuple[Tensor, Tensor]:
@@ -533,7 +540,6 @@ class ValueAwareIndexer(nn.Module):
         # stored as [H, H_I, d_I, T], the layout pair_logits multiplies by (no copy per row block)
         kbar = kbar.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         kv = value_keys(p, K, V)  # 2 x [H, T, d_A]
-        Kt = K.transpose(1, 2)
         accs = [torch.zeros(Q.shape[0], T, dtype=Q.dtype, device=Q.device) for _ in range(2 if base else 1)]
         t_blocks = [(j0, min(T, j0 + block_T)) for j0 in range(0, T, block_T)]
         for r0 in range(0, n, block_rows):
@@ -547,7 +553,7 @@ class ValueAwareIndexer(nn.Module):
                 if log_dn is not None:
                     b = log_dn[:, :, j0:j1]
                 elif scale0 is not None:
-                    b = (Qb * scale0) @ Kt[:, :, j0:j1]
+                    b = ha_logits(Qb, K[:, j0:j1], scale0)
                 else:
                     b = None
                 I = pair_logits(qbar, kbar[:, j0:j1], w, cfg.leaky_slope)
