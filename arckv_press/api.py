@@ -134,18 +134,20 @@ class CompactionConfig:
             but those heads lose the mass of the positions they drop, and continuation damage
             rises. ``None`` (default) = every head is merged and fitted.
         indexer_rows: fused pipeline, method ``arckv``: the reference rows the learned indexer
-            scores, ``"all"`` captured rows (default; as HA and VI scores are pooled), the
-            ``"budget"`` rows only (the paper's n_score setting: about G T / query_budget times less
-            scoring work, but anchors picked for a planted needle by its few sharp rows are missed),
-            or ``"corrected"``: ``score_rows`` of the budget rows, with a base selector pooled over
-            every row by the reference pass as a control variate (the residual indexer's own base,
-            HA or VI; HA for the paper's form;
-            :func:`~arckv_press.compaction.select.corrected_scores`): an unbiased estimate of
-            ``"all"`` at about the cost of HA's scores, but with a large variance for a key that
-            only a few rows attend to (a planted needle); rms or mean pooling.
+            scores. ``"corrected"`` (default): ``score_rows`` of the budget rows, with the indexer's
+            base selector pooled over every row by the reference pass (the residual indexer's own
+            base, HA or VI; HA for the paper's form): the base's all-row score scaled by the
+            indexer's ratio to it on the sample
+            (:func:`~arckv_press.compaction.select.corrected_scores`), an estimate of ``"all"`` at
+            about the cost of HA's scores; rms or mean pooling. ``"all"``: every captured row (as HA
+            and VI scores are pooled; about G T / score_rows times the scoring work). ``"budget"``:
+            the budget rows only (the paper's n_score setting, uncorrected: anchors picked for a
+            planted needle by its few sharp rows are missed).
         score_rows: ``indexer_rows="corrected"``: reference rows per KV head the learned indexer
             scores, a seeded subsample of the budget rows (as ``merge_rows``); ``None`` = every
             budget row.
+        score_shrink: ``indexer_rows="corrected"``: how far the sampled ratio is shrunk towards 1
+            for keys the sample saw little of (``shrink`` of ``corrected_scores``).
         fit_scope: ARC-KV: the anchors whose beta and C_v are fitted, ``"merged"`` (default: only
             anchors that absorbed other positions; the others keep their own key, value and
             beta = 0) or ``"all"`` (the paper; :class:`~arckv_press.compaction.layer.LayerMethod`).
@@ -183,8 +185,9 @@ class CompactionConfig:
     merge_rows: int | None = 512
     max_head_multiple: float | None = None
     verbatim_fraction: float | None = None
-    indexer_rows: str = "all"
+    indexer_rows: str = "corrected"
     score_rows: int | None = 512
+    score_shrink: float = 0.1
     fit_scope: str = "merged"
     anchor_search: str = "scores"
 
@@ -217,6 +220,9 @@ class CompactionConfig:
             raise ValueError(f"score_rows must be a positive int or None, got {self.score_rows!r}")
         if self.indexer_rows not in INDEXER_ROWS:
             raise ValueError(f"indexer_rows must be one of {INDEXER_ROWS}, got {self.indexer_rows!r}")
+        if isinstance(self.score_shrink, bool) or not isinstance(self.score_shrink, (int, float)) or not (
+                0 <= self.score_shrink < math.inf):
+            raise ValueError(f"score_shrink must be a finite number >= 0, got {self.score_shrink!r}")
         if self.method == "arckv" and self.indexer_rows == "corrected" and self.pooling == "max":
             raise ValueError("indexer_rows='corrected' estimates a mean over rows: it needs pooling 'rms' or 'mean', "
                              "not 'max'")
@@ -243,7 +249,7 @@ class CompactionConfig:
 
 
 _RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")
-_INDEXER_ONLY_FIELDS = ("indexer_rows", "score_rows")  # options only the learned indexer's method reads  # never change a result (the indexer has its own id)
+_INDEXER_ONLY_FIELDS = ("indexer_rows", "score_rows", "score_shrink")  # options only the learned indexer's method reads  # never change a result (the indexer has its own id)
 _ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation", "min_head_fraction", "fit_witnesses",
                       "pipeline", "merge_rows", "max_head_multiple", "verbatim_fraction", "fit_scope",
                       "anchor_search")
@@ -252,6 +258,9 @@ _ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation
 # options added after results were stored: they enter the id only when set to something else, so
 # the ids (and the stored rows) of the configurations that existed before stay valid
 _OMITTED_AT_DEFAULT = {"anchor_search": "scores", "score_rows": 512}
+# options only indexer_rows="corrected" reads (score_shrink entered the id with the ratio estimate,
+# so rows of the earlier additive estimate keep an id of their own)
+_CORRECTED_ONLY_FIELDS = ("score_shrink",)
 
 
 def _canonical(value):
@@ -283,6 +292,7 @@ def config_id(config: CompactionConfig) -> str:
     skip = set(_RUN_ONLY_FIELDS) | (set(_ARCKV_ONLY_FIELDS) if config.family == "am" else set())
     skip |= set(_INDEXER_ONLY_FIELDS) if config.method != "arckv" else set()
     skip |= {name for name, default in _OMITTED_AT_DEFAULT.items() if getattr(config, name) == default}
+    skip |= set(_CORRECTED_ONLY_FIELDS) if config.indexer_rows != "corrected" else set()
     options = {f.name: _canonical(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in skip}
     if "lambda_m" in options:  # the coefficient used at this kept fraction: the schedule's or the one given
         options["lambda_m"] = _canonical(float(config.merging_coefficient()))
@@ -557,7 +567,8 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
             if config.indexer_rows == "corrected":
                 sample, sample_base = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling,
                                                      base=True, base_scale=_scaling(model, i))
-                scores[i] = corrected_scores(cap.stats[i].scores, sample, sample_base, config.pooling)
+                scores[i] = corrected_scores(cap.stats[i].scores, sample, sample_base, config.pooling,
+                                             config.score_shrink, Q.shape[1] / queries[i].shape[1])
             else:
                 scores[i] = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling)
         else:

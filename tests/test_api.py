@@ -600,6 +600,15 @@ def test_config_id_covers_the_options_that_shape_a_result():
     # indexer_rows shapes only the learned indexer's results
     assert cid(method="arckv-ha", indexer_rows="budget") == base
     assert cid(method="arckv", indexer_rows="budget") != cid(method="arckv")
+    # score_shrink only under indexer_rows="corrected", whose id it entered with the ratio estimate
+    corrected = cid(method="arckv", indexer_rows="corrected")
+    assert corrected == cid(method="arckv")  # the default
+    # the former default keeps its id (its stored rows are the option's), the additive estimate's is not reused
+    assert cid(method="arckv", indexer_rows="all", score_shrink=0.5) == cid(method="arckv", indexer_rows="all") == "30b715fcd445"
+    assert cid(method="arckv", score_shrink=0.5) != corrected != "30d356828b2a"
+    for bad in (-1.0, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="score_shrink"):
+            CompactionConfig(method="arckv", score_shrink=bad)
     assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) == cid(method="arckv-ha", budget_weights=torch.ones(3, 2))
     assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) != cid(method="arckv-ha", budget_weights=2 * torch.ones(3, 2))
     am = cid(method="am-omp")
@@ -727,13 +736,14 @@ def test_corrected_indexer_rows_estimate_all_rows_from_the_budget_rows(tiny_mode
             compact(model, tok, text, "arckv", 0.25, indexer=form, query_budget=48, indexer_rows="corrected",
                     score_rows=24)
         assert len(seen) == 2 and sorted(captured) == [0, 1]
-        for layer, ((full_base, sample, sample_base, pooling), out) in enumerate(seen):
+        for layer, ((full_base, sample, sample_base, pooling, shrink, fraction), out) in enumerate(seen):
             X, Q, K, V = captured[layer]
             assert Q.shape[1] == 24 // G * G and pooling == "rms"  # score_rows of the 48 budget rows
+            assert shrink == 0.1 and fraction == Q.shape[1] / (G * K.shape[1])  # of every captured row
             torch.testing.assert_close(sample_base, ha_scores(Q, K, scaling), rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(sample, real_scores(form, layer, X, Q, K, V), rtol=1e-5, atol=1e-7)
             assert full_base.shape == sample.shape and not torch.allclose(full_base, sample_base)
-            torch.testing.assert_close(out, corrected_scores(full_base, sample, sample_base))
+            torch.testing.assert_close(out, corrected_scores(full_base, sample, sample_base, "rms", 0.1, fraction))
     monkeypatch.undo()
 
     with pytest.raises(ValueError, match="pooling 'rms' or 'mean'"):

@@ -11,10 +11,11 @@ def test_synthetic_sweep_prints_the_ratio_of_the_timings_it_writes(tmp_path, cap
     argv = ["--skip-model", "--max-T", "1024", "--queries", "64", "--repeats", "1", "--synthetic-ratios", "0.05",
             "--out", str(out)]
     scored, real = [], mod._indexer_selection
-    monkeypatch.setattr(mod, "_indexer_selection", lambda *a: scored.append(a[2].shape[1]) or real(*a))
+    monkeypatch.setattr(mod, "_indexer_selection", lambda *a: scored.append((a[2].shape[1], *a[-2:])) or real(*a))
     assert mod.main(argv) == 0
-    # the learned indexer is timed as indexer_rows="corrected": score_rows (512) of the budget rows, G = 3
-    assert scored and set(scored) == {512 // 3 * 3}
+    # the learned indexer is timed as its default indexer_rows="corrected": score_rows (512) of the budget
+    # rows, G = 3, with the default shrinkage and the sampled share of the G T rows
+    assert scored and set(scored) == {(512 // 3 * 3, 0.1, 512 // 3 * 3 / (3 * 1024))}
     rows = list(csv.DictReader(out.open()))
     assert {r["section"] for r in rows} == {"synthetic"} and {r["length"] for r in rows} == {"1024"}
     arc = {r["stage"]: float(r["seconds"]) for r in rows if r["method"] == "arckv-ha"}

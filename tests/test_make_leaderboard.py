@@ -523,8 +523,12 @@ def test_development_split_labels_rows_by_their_options_and_todays_defaults():
     assert damage[("arckv-ha", "config feedfacecafe")] == {"0.02": (0.7, 1)}
     # a row whose command names no option but whose ids are those of a known option is named by it
     former = {**_dev_row("arckv", "0.1", "0", "0.5", ""),
-              **CurrentIds(DEFAULT_MODEL_ID, {"indexer_rows": "corrected"})("arckv", 0.1)}
-    assert dev_damage([former]) == {("arckv", "indexer_rows=corrected"): {"0.1": (0.5, 1)}}
+              **CurrentIds(DEFAULT_MODEL_ID, {"indexer_rows": "all"})("arckv", 0.1)}
+    assert dev_damage([former]) == {("arckv", "indexer_rows=all"): {"0.1": (0.5, 1)}}
+    # a row of an option whose code changed since keeps the label of what it measured
+    additive = {**former, "config_id": "30d356828b2a", "command": "x --option indexer_rows=corrected"}
+    assert dev_damage([additive]) == {("arckv", "indexer_rows=corrected, additive estimate (superseded)"):
+                                      {"0.1": (0.5, 1)}}
     lines = dev_split_markdown(rows).splitlines()
     assert lines[0] == "| method | options | keep 10% | keep 2% |"
     assert lines[2] == "| `arckv-ha` | default | 0.300 |  |"

@@ -28,9 +28,8 @@ query head and position (``Q [H, G, T, D]``, H = 3, G = 3, D = 64): the statisti
 (``post``: top-t, witnesses, merging, fits), against ``am_compact(..., "omp-fast")`` on
 n = max(``--queries`` (2048), 2 t) rows, T from 1024 up to ``--max-T``. OMP-fast is not run at a
 length once a shorter one took more than ``--omp-cap`` seconds. When the default model's indexer
-is shipped, its anchor selection as ``indexer_rows="corrected"`` (layer 0's parameters on
-``score_rows`` of the budget rows, corrected by the pass's HA scores) is timed too; scoring every
-row, the default, is timed in the model section.
+is shipped, its default anchor selection (``indexer_rows="corrected"``: layer 0's parameters on
+``score_rows`` of the budget rows, corrected by the pass's HA scores) is timed too.
 
     python scripts/bench_compaction.py --quick
     python scripts/bench_compaction.py --lengths 1K 2K 4K 8K --repeats 3 --max-T 65536
@@ -305,16 +304,17 @@ def _synthetic_indexer(H: int, D: int):
     return indexer
 
 
-def _indexer_selection(indexer, X, Q, K, V, budgets, scaling, full_base):
-    """ARC-KV's anchor selection with the learned indexer (layer 0) as ``indexer_rows="corrected"``: its
-    learned and base scores on the scored rows ``Q`` (``X`` aligned), corrected by the base pooled over
-    every row (``full_base``, which the statistics pass computes), then top-t."""
+def _indexer_selection(indexer, X, Q, K, V, budgets, scaling, full_base, shrink: float, fraction: float):
+    """ARC-KV's default anchor selection with the learned indexer (layer 0), ``indexer_rows="corrected"``:
+    its learned and base scores on the scored rows ``Q`` (``X`` aligned, the ``fraction`` of every row),
+    corrected by the base pooled over every row (``full_base``, which the statistics pass computes), then
+    top-t."""
     from arckv_press.compaction.layer import LayerMethod
     from arckv_press.compaction.select import chunked_topk_anchors, corrected_scores
 
     method = LayerMethod("arckv")
     sample, sample_base = indexer.scores(0, X, Q, K, V, pooling=method.pooling, base=True, base_scale=scaling)
-    scores = corrected_scores(full_base, sample, sample_base, method.pooling)
+    scores = corrected_scores(full_base, sample, sample_base, method.pooling, shrink, fraction)
     return chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
 
 
@@ -348,7 +348,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
     indexer = _synthetic_indexer(H, D)
     config = CompactionConfig(method="arckv-ha")
     method = config.layer_method()
-    corrected = CompactionConfig(method="arckv", indexer_rows="corrected")  # the learned indexer's timed option
+    corrected = CompactionConfig(method="arckv")  # the learned indexer's default: indexer_rows="corrected"
     print(f"\nsynthetic heads: H={H} KV heads, G={G} query heads each, D={D}, float32, T in {Ts}, "
           f"rho {' '.join(f'{r:g}' for r in args.synthetic_ratios)}; median of {args.repeats} repeat(s).\n"
           f"arckv-ha: the default pipeline, one reference row per query head and position (G T rows), its "
@@ -395,8 +395,8 @@ def synthetic_section(args, meta: dict) -> list[dict]:
             if indexer is not None:
                 Qs = Q4.reshape(H, -1, D)[:, score]
                 X = torch.randn(Qs.shape[1], indexer.config.d_x, generator=gen)
-                idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Qs, K, V, budgets, scaling, full_base),
-                                         args.repeats, warmup=0)
+                idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Qs, K, V, budgets, scaling, full_base,
+                                                 corrected.score_shrink, Qs.shape[1] / (G * T)), args.repeats, warmup=0)
                 rows.append(timing_row("arckv", ratio, T, "selection", idx_sel))
             omp = None
             if not omp_stopped:

@@ -34,14 +34,18 @@ def _options(command: str) -> str:
 #: option sets a stored row may have been made with although its command names none (they were the
 #: defaults of the code that ran it): a row whose ids are today's with one of them is labelled by it
 #: (its ids are recomputed, so a label cannot be wrong)
-KNOWN_OPTIONS = ({"lambda_m": 0.25}, {"indexer_rows": "corrected"})
+KNOWN_OPTIONS = ({"lambda_m": 0.25}, {"indexer_rows": "all"})
+
+#: config ids of option values whose code changed since (their rows stay, under this label)
+FORMER_IDS = {"30d356828b2a": "indexer_rows=corrected, additive estimate (superseded)",  # lambda_m 0.25
+              "aca6877353e3": "indexer_rows=corrected, additive estimate (superseded)"}  # lambda_m 1.0 (keep < 5%)
 
 
 def dev_damage(rows: list[dict], model_id: str | None = None) -> dict[tuple[str, str], dict[str, tuple[float, int]]]:
     """``{(method, label): {ratio: (mean damage, documents)}}`` of development-split rows; ``label``
     is ``default`` when the row's ids are today's defaults at its kept fraction, else the
     ``--option`` values of its command, else the :data:`KNOWN_OPTIONS` its ids match, else
-    ``config <id>`` (an earlier code state)."""
+    ``config <id>`` (an earlier code state); rows of an id in :data:`FORMER_IDS` carry its label."""
     from arckv_press.models import DEFAULT_MODEL_ID
     from arckv_press.runinfo import CurrentIds
 
@@ -53,8 +57,8 @@ def dev_damage(rows: list[dict], model_id: str | None = None) -> dict[tuple[str,
         if ids.matches(r):
             label = "default"
         else:
-            label = _options(r["command"]) or next((name for name, other in known if other.matches(r)),
-                                                   f"config {r['config_id']}")
+            label = FORMER_IDS.get(r["config_id"]) or _options(r["command"]) or next(
+                (name for name, other in known if other.matches(r)), f"config {r['config_id']}")
         docs[(r["method"], label, fmt_ratio(r["ratio"]))][r["doc"]] = float(r["damage"])  # a rerun replaces
     out: dict[tuple[str, str], dict[str, tuple[float, int]]] = defaultdict(dict)
     for (method, label, ratio), by_doc in docs.items():

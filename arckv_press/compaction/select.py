@@ -242,34 +242,48 @@ _BUDGET_EPS = 1e-6  # absorbs float error so that uniform weights give exactly f
 
 
 def corrected_scores(full_base: torch.Tensor, sample: torch.Tensor, sample_base: torch.Tensor,
-                     pooling: str = "rms") -> torch.Tensor:
+                     pooling: str = "rms", shrink: float = 0.1, fraction: float = 0.0) -> torch.Tensor:
     """The learned indexer's pooled score over every reference row (Eq. (indexer_pooling)),
-    estimated from a sample of rows with its base selector as a control variate.
+    estimated from a sample of rows by its ratio to its base selector.
 
-    For ``rms`` pooling the square is a mean over rows: with ``m(x) = mean_i x_ij`` over all rows
-    and ``m_S`` over the sampled rows, ``m(pi^2) = m(b^2) + m(pi^2 - b^2)``, and the second term is
-    estimated on the sample::
+    ``b`` is the base distribution the residual indexer corrects (HA's ``softmax_j(s_0 q_i . k_j)``
+    or VI's ``Dn_ij``), pooled exactly over every row by the reference pass (``full_base``); the
+    indexer's ``pi`` and ``b`` are pooled over the sampled rows (``sample``, ``sample_base``). With
+    ``m(x)`` the mean over rows of a pooled power (squares for ``rms``, the values for ``mean``),
+    the estimate scales the base's all-row score by the indexer's ratio to it on the sample,
+    shrunk towards 1 where the sample saw little of a key::
 
-        s_j^2 ~= full_base_j^2 + sample_j^2 - sample_base_j^2
+        m(pi)_j ~= m(b)_j * (m_S(pi)_j + e) / (m_S(b)_j + e),   e = shrink * (1 - fraction) * mean_j m_S(b)_j
 
-    where ``b`` is the base distribution (HA's ``softmax_j(s_0 q_i . k_j)`` or VI's ``Dn_ij``) the
-    residual indexer corrects, pooled exactly over all rows by the reference pass. The estimate is
-    unbiased for a uniform sample, exact when the sample holds every row, and equal to the base score
-    where the indexer agrees with its base; a key whose only sharp row is not sampled keeps the base's
-    score for it instead of losing it. ``mean`` pooling: the same without squares. Clamped at 0.
+    per KV head, ``fraction`` the sampled share of the rows. It is exact when the sample holds every
+    row (``fraction = 1``), equal to the base's score where the indexer agrees with its base on the
+    sample, never negative, and a key whose sharp rows are not sampled keeps the base's score. An
+    additive control variate ``m(b) + m_S(pi) - m_S(b)`` would be unbiased, but a key that one
+    sampled row attends to sharply then has its whole correction weighted by the inverse sampling
+    rate, which can zero a planted needle's key; the ratio bounds it by the indexer's own ratio.
     ``max`` pooling is not a mean and is refused. Inputs ``[H, T]``; returns float32 ``[H, T]``.
     """
     _check_pooling(pooling)
     if pooling == "max":
         raise ValueError("corrected_scores needs rms or mean pooling (a mean over rows); max pooling is not")
+    if isinstance(shrink, bool) or not isinstance(shrink, (int, float)) or not (0 <= shrink < math.inf):
+        raise ValueError(f"shrink must be a finite number >= 0, got {shrink!r}")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
     for name, t in (("full_base", full_base), ("sample", sample), ("sample_base", sample_base)):
         check_tensor(t, name, 2)
         if t.shape != full_base.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(full_base.shape)}")
-    full_base, sample, sample_base = (t.double() for t in (full_base, sample, sample_base))
-    if pooling == "mean":
-        return (full_base + sample - sample_base).clamp_min(0).float()
-    return (full_base.square() + sample.square() - sample_base.square()).clamp_min(0).sqrt().float()
+        if (t < 0).any():
+            raise ValueError(f"{name} has negative scores: pooled attention scores are >= 0")
+    if fraction == 1:  # the sample is every row
+        return sample.float()
+    power = 2 if pooling == "rms" else 1
+    full_base, sample, sample_base = (t.double() ** power for t in (full_base, sample, sample_base))
+    e = shrink * (1.0 - fraction) * sample_base.mean(-1, keepdim=True)
+    den = sample_base + e
+    ratio = torch.where(den > 0, (sample + e) / den.clamp_min(torch.finfo(den.dtype).tiny), torch.ones_like(den))
+    return (full_base * ratio).pow(1.0 / power).float()
 
 
 def per_head_budgets(
