@@ -29,7 +29,7 @@ from arckv_press import __version__
 from arckv_press.attention import enable_compact_attention
 from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, pack_heads
 from arckv_press.capture import QueryCapture, encode_document, framing_for, prefill, repeat_prefill, repeat_prefill_stats
-from arckv_press.compaction.checks import check_ratio
+from arckv_press.compaction.checks import check_nonnegative, check_ratio
 from arckv_press.compaction.fit import FitConfig
 from arckv_press.compaction.layer import (
     LayerMethod,
@@ -220,9 +220,7 @@ class CompactionConfig:
             raise ValueError(f"score_rows must be a positive int or None, got {self.score_rows!r}")
         if self.indexer_rows not in INDEXER_ROWS:
             raise ValueError(f"indexer_rows must be one of {INDEXER_ROWS}, got {self.indexer_rows!r}")
-        if isinstance(self.score_shrink, bool) or not isinstance(self.score_shrink, (int, float)) or not (
-                0 <= self.score_shrink < math.inf):
-            raise ValueError(f"score_shrink must be a finite number >= 0, got {self.score_shrink!r}")
+        check_nonnegative(self.score_shrink, "score_shrink")
         if self.method == "arckv" and self.indexer_rows == "corrected" and self.pooling == "max":
             raise ValueError("indexer_rows='corrected' estimates a mean over rows: it needs pooling 'rms' or 'mean', "
                              "not 'max'")

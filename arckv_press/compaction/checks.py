@@ -52,6 +52,13 @@ def check_scaling(scaling: float) -> float:
     return float(scaling)
 
 
+def check_nonnegative(value: float, name: str) -> float:
+    """A finite number >= 0 (bools refused), else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return value
+
+
 def check_positive_int(value: int, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

@@ -27,6 +27,7 @@ import torch
 
 from .checks import (
     check_float,
+    check_nonnegative,
     check_positive_int,
     check_qk,
     check_ratio,
@@ -266,8 +267,7 @@ def corrected_scores(full_base: torch.Tensor, sample: torch.Tensor, sample_base:
     _check_pooling(pooling)
     if pooling == "max":
         raise ValueError("corrected_scores needs rms or mean pooling (a mean over rows); max pooling is not")
-    if isinstance(shrink, bool) or not isinstance(shrink, (int, float)) or not (0 <= shrink < math.inf):
-        raise ValueError(f"shrink must be a finite number >= 0, got {shrink!r}")
+    check_nonnegative(shrink, "shrink")
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
         raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
     for name, t in (("full_base", full_base), ("sample", sample), ("sample_base", sample_base)):
