@@ -9,6 +9,7 @@ import torch
 
 from arckv_press.compaction.fit import (
     FitConfig,
+    GramSum,
     attention_mass_error,
     compact_attention,
     fit_beta,
@@ -440,3 +441,49 @@ def test_fit_scope_merged_keeps_lone_anchors_and_fits_the_rest(lam):
         np.testing.assert_allclose(res.C_v[h, :t].numpy()[~alone], cv, rtol=1e-6, atol=1e-8)
     assert 0 < n_alone < int(budgets.sum())
     assert not torch.allclose(res.C_v, full.C_v)  # the scope changes the fit
+
+
+# ----------------------------------------------------------------------------- symmetric normal matrices
+
+
+@pytest.mark.parametrize("rows,col_block", [(1, 1), (7, 3), (64, 5), (2048, 128), (2048, 4)])
+def test_gram_sum_equals_the_full_product_and_is_exactly_symmetric(rows, col_block):
+    """Lower-block-triangle sums over uneven row blocks equal numpy's X^T X (float64), whatever the
+    flush size and column block (t = 13 is no multiple of them; col_block 128: one full product per
+    block)."""
+    X = _rand(2, 50, 13, seed=5)
+    acc = GramSum(2, 13, torch.float64, X.device, rows=rows, col_block=col_block)
+    for lo, hi in [(0, 4), (4, 5), (5, 31), (31, 50)]:
+        acc.add(X[:, lo:hi])
+    A = acc.total()
+    ref = np.einsum("hni,hnj->hij", X.numpy(), X.numpy())
+    np.testing.assert_allclose(A.numpy(), ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(A, A.transpose(1, 2))
+
+
+def test_gram_sum_refuses_rows_of_another_width_or_dtype():
+    acc = GramSum(2, 13, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="do not fit"):
+        acc.add(torch.zeros(2, 4, 12))
+    with pytest.raises(ValueError, match="do not fit"):
+        acc.add(torch.zeros(2, 4, 13, dtype=torch.float64))
+    with pytest.raises(ValueError, match="rows"):
+        GramSum(2, 13, torch.float32, torch.device("cpu"), rows=0)
+
+
+def test_fits_with_several_column_blocks_match_numpy():
+    """t = 300 anchors (three column blocks of the normal matrices) against numpy's lstsq and ridge."""
+    H, n, T, t, D = 1, 700, 400, 300, 8
+    Q, K, V = _rand(H, n, D, seed=81), _rand(H, T, D, seed=82), _rand(H, T, D, seed=83)
+    C = K[:, :t] + 0.05 * _rand(H, t, D, seed=84)
+    beta, w = fit_beta(Q, K, C, 0.3, config=FitConfig(mass_ridge=0.0))
+    y, Phi = _np_phi(Q[0].numpy(), K[0].numpy(), C[0].numpy(), 0.3)
+    w_ref = np.maximum(np.linalg.lstsq(Phi, y, rcond=None)[0], 0)
+    np.testing.assert_allclose(w[0].numpy(), w_ref, rtol=1e-4, atol=1e-6 * np.abs(w_ref).max())
+    lam = 1e-3
+    Cv = fit_values(Q, K, V, C, beta, 0.3, config=FitConfig(ridge_v=lam))
+    P = _np_softmax(0.3 * Q[0].numpy() @ C[0].numpy().T + beta[0].numpy()[None])
+    Y = _np_softmax(0.3 * Q[0].numpy() @ K[0].numpy().T) @ V[0].numpy()
+    G = P.T @ P
+    ref = np.linalg.solve(G + lam * np.mean(np.diag(G)) * np.eye(t), P.T @ Y)
+    np.testing.assert_allclose(Cv[0].numpy(), ref, rtol=1e-7, atol=1e-9)

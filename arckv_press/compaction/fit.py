@@ -327,6 +327,56 @@ class _FreeSlots:
         return torch.where(fm, x_fixed, out)
 
 
+
+class GramSum:
+    """Running sum of ``X^T X`` ``[H, t, t]`` over row blocks ``X [H, b, t]`` (the normal matrices of
+    Eqs. (mass_fit) and (value_lstsq)), computed on its lower block triangle only.
+
+    The product is symmetric, so when t exceeds two column blocks only the column blocks ``j <= i``
+    of ``col_block`` columns are multiplied (about half the work of one full ``X^T X`` for large t),
+    and rows are gathered into blocks of at least ``rows`` before each update, so the ``[t, t]`` sum
+    is swept once per ``rows`` rows rather than once per caller block (smaller t: one full product
+    per block as it comes). :meth:`total` mirrors the lower triangle, so the result is exactly
+    symmetric. Sums are kept in ``dtype``.
+    """
+
+    def __init__(self, H: int, t: int, dtype: torch.dtype, device: torch.device, rows: int = 2048,
+                 col_block: int = 128):
+        check_positive_int(rows, "rows")
+        check_positive_int(col_block, "col_block")
+        self.A = torch.zeros(H, t, t, dtype=dtype, device=device)
+        self.rows, self.col_block = rows, col_block
+        self._pending: list[torch.Tensor] = []
+        self._n = 0
+
+    def add(self, X: torch.Tensor) -> None:
+        """Add the rows of ``X [H, b, t]`` (dtype of the sum)."""
+        if X.dtype != self.A.dtype or tuple(X.shape[::2]) != (self.A.shape[0], self.A.shape[2]):
+            raise ValueError(f"rows of shape {tuple(X.shape)} ({X.dtype}) do not fit a {tuple(self.A.shape)} "
+                             f"{self.A.dtype} sum")
+        if X.shape[2] <= 2 * self.col_block:
+            self.A.baddbmm_(X.transpose(1, 2), X)
+            return
+        self._pending.append(X)
+        self._n += X.shape[1]
+        if self._n >= self.rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        X = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending, dim=1)
+        self._pending, self._n = [], 0
+        t, cb = X.shape[2], self.col_block
+        for i in range(0, t, cb):
+            self.A[:, i:i + cb, :i + cb].baddbmm_(X[:, :, i:i + cb].transpose(1, 2), X[:, :, :i + cb])
+
+    def total(self) -> torch.Tensor:
+        """The symmetric sum ``[H, t, t]`` (lower triangle mirrored)."""
+        self._flush()
+        return self.A.tril() + self.A.tril(-1).transpose(1, 2)
+
+
 def _mass_normal_equations(
     Q: torch.Tensor, K: torch.Tensor, C_k: torch.Tensor, scaling: float, valid: torch.Tensor, block_rows: int,
     targets: tuple[torch.Tensor, torch.Tensor] | None = None, gram_dtype: torch.dtype = torch.float64,
@@ -344,7 +394,7 @@ def _mass_normal_equations(
     Kt, Ct = K.to(cd).transpose(1, 2), C_k.to(cd).transpose(1, 2)
     H = valid.shape[0]
     t = valid.shape[1] if free is None else free.idx.shape[1]
-    A = torch.zeros(H, t, t, dtype=gram_dtype, device=K.device)     # summed in place in gram_dtype
+    A = GramSum(H, t, gram_dtype, K.device)                           # summed in gram_dtype
     b = torch.zeros(H, t, dtype=torch.float64, device=K.device)
     hidden = hidden_slots(valid)
     fixed = None if free is None else free.fixed.to(torch.float64)[..., None]
@@ -364,9 +414,9 @@ def _mass_normal_equations(
             zf = zf - (phi_c.double() @ fixed)[..., 0]                          # mass the fixed slots leave
             phi_c = free.columns(phi_c)
         phi_c = phi_c.to(gram_dtype)
-        A.baddbmm_(phi_c.transpose(1, 2), phi_c)                               # in place: A is [H, t, t]
+        A.add(phi_c)
         b.add_((phi_c.double().transpose(1, 2) @ zf[..., None])[..., 0])
-    return A.double(), b
+    return A.total().double(), b
 
 
 def _check_row_targets(targets, shape) -> None:
@@ -594,7 +644,7 @@ def fit_values(
     hidden = hidden_slots(valid)
     gd = _gram_dtype(config, cd)
     t_s = t if free is None else free.idx.shape[1]                        # slots solved for
-    G = torch.zeros(H, t_s, t_s, dtype=gd, device=K.device)           # summed in place in gd (no temporaries)
+    G = GramSum(H, t_s, gd, K.device)                                  # P^T P, summed in gd
     R = torch.zeros(H, t_s, V.shape[-1], dtype=gd, device=K.device)
     if free is not None:
         C_fixed = fixed_values.to(cd).masked_fill(~free.fixed[..., None], 0.0)
@@ -606,9 +656,9 @@ def fit_values(
             Yb = Yb.to(cd) - P @ C_fixed                                 # what the fixed slots leave
             P = free.columns(P)
         P, Yb = P.to(gd), Yb.to(gd)
-        G.baddbmm_(P.transpose(1, 2), P)                                 # in place: G is [H, t, t]
+        G.add(P)
         R.baddbmm_(P.transpose(1, 2), Yb)
-    G, R = G.double(), R.double()
+    G, R = G.total().double(), R.double()
     solve_valid = valid if free is None else free.valid
     scale = _mean_diag(G, solve_valid) if config.ridge_relative else torch.ones(H, dtype=torch.float64, device=K.device)
     if prior is not None:
@@ -676,6 +726,7 @@ __all__ = [
     "MASS_SOLVERS",
     "FitConfig",
     "spd_solve",
+    "GramSum",
     "fit_beta",
     "fit_values",
     "full_attention",

@@ -89,9 +89,9 @@ def _response_profiles(Qs: torch.Tensor, Kb: torch.Tensor) -> tuple[torch.Tensor
     """
     L = Qs @ Kb.transpose(1, 2)                    # [H, n, b]
     m = L.amax(dim=1, keepdim=True)                 # per-key max over rows
-    E = torch.exp(L - m)
-    U = E / E.norm(dim=1, keepdim=True)             # norm >= 1: max entry is exactly 1
+    E = L.sub_(m).exp_()                            # in place: no [H, n, b] temporaries
     log_phi = m.squeeze(1) + torch.log(E.mean(dim=1))
+    U = E.div_(E.norm(dim=1, keepdim=True))         # norm >= 1: max entry is exactly 1
     return U, log_phi
 
 

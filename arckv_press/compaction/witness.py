@@ -124,16 +124,21 @@ def block_witnesses(
     check_positive_int(block, "block")
     H, n, D = Q.shape
     G, N = group_size, n // group_size
-    Qp, lse = Q.view(H, G, N, D), row_lse.view(H, G, N)
     idx = anchors.long()
     starts = block_start.gather(1, idx)
     out = torch.empty(anchors.shape, dtype=torch.long, device=Q.device)
     for h in range(H):
-        for p0 in torch.unique(starts[h]).tolist():
-            sel = (starts[h] == p0).nonzero()[:, 0]
-            p1 = min(p0 + block, N)
-            q = Qp[h, :, p0:p1].transpose(0, 1).reshape(-1, D)            # position-major: row i = (p0 + i // G, i % G)
-            logp = scaling * (q @ K[h, idx[h, sel]].to(q.dtype).T) - lse[h, :, p0:p1].T.reshape(-1, 1)
-            best = logp.argmax(0)                                           # first max: lowest position, then g
-            out[h, sel] = (best % G) * N + p0 + best // G
+        # position-major rows (row i of a block = position p0 + i // G, query head i % G), once per head
+        q_pos = Q[h].view(G, N, D).transpose(0, 1).reshape(N * G, D)
+        lse_pos = row_lse[h].view(G, N).T.reshape(N * G, 1)
+        order = torch.sort(starts[h], stable=True).indices               # anchors grouped by block
+        p0s, counts = torch.unique_consecutive(starts[h, order], return_counts=True)
+        keys = K[h, idx[h, order]].to(q_pos.dtype)
+        best = []                                                           # position-major row of each anchor
+        for p0, k in zip(p0s.tolist(), torch.split(keys, counts.tolist())):
+            lo, hi = p0 * G, min(p0 + block, N) * G
+            logp = scaling * (q_pos[lo:hi] @ k.T) - lse_pos[lo:hi]
+            best.append(logp.argmax(0) + lo)                                # first max: lowest position, then g
+        best = torch.cat(best)
+        out[h, order] = (best % G) * N + best // G                          # GQA layout: g * N + position
     return out
