@@ -552,10 +552,10 @@ def test_compaction_time_table_is_the_last_run_with_todays_defaults():
 
     cid = CurrentIds(DEFAULT_MODEL_ID)("arckv-ha", 0.1)["config_id"]
 
-    def row(method, stage, seconds, date, config_id="", ratio="0.1", command="run B"):
+    def row(method, stage, seconds, date, config_id="", ratio="0.1", command="run B", threads="1"):
         return {"section": "model", "method": method, "ratio": ratio, "length": "4000", "stage": stage,
                 "seconds": str(seconds), "config_id": config_id, "indexer": "", "date": date, "command": command,
-                "machine": "cpu X"}
+                "machine": "cpu X", "threads": threads}
 
     rows = [row("none", "prefill", 10, "d1", ratio="1", command="run A"),
             row("arckv-ha", "repeat_prefill", 30, "d1", cid, command="run A"),
@@ -565,7 +565,12 @@ def test_compaction_time_table_is_the_last_run_with_todays_defaults():
             row("arckv-ha", "compact_total", 50, "d2", cid),
             row("am-omp-fast", "am_total", 100, "d2", CurrentIds(DEFAULT_MODEL_ID)("am-omp-fast", 0.1)["config_id"]),
             row("am-omp-fast", "compact_total", 120, "d2", CurrentIds(DEFAULT_MODEL_ID)("am-omp-fast", 0.1)["config_id"]),
-            row("arckv-ha", "compact_total", 1, "d3", "0ther0ption00", command="run C")]
+            row("arckv-ha", "compact_total", 1, "d3", "0ther0ption00", command="run C"),
+            row("none", "prefill", 5, "d4", ratio="1", command="run D", threads="2"),
+            row("arckv-ha", "repeat_prefill", 15, "d4", cid, command="run D", threads="2"),
+            row("arckv-ha", "compact_total", 18, "d4", cid, command="run D", threads="2")]
+    two = compaction_time_markdown(rows, threads=2).splitlines()   # the last run on two threads, on its own
+    assert two[0] == "Run of d4 on cpu X: `run D`" and any(line.endswith("| 3.0 | 18.0 |") for line in two)
     md = compaction_time_markdown(rows)
     lines = md.splitlines()
     assert lines[0] == "Run of d2 on cpu X: `run B`"

@@ -3,8 +3,9 @@ in the docs cannot drift from the data it came from (``scripts/make_leaderboard.
 ``tests/test_make_leaderboard.py`` checks the committed docs equal what this module generates).
 
 - ``compaction-time`` (``docs/results.md``): the last model-section run of ``bench_compaction.py``
-  with today's defaults: seconds per stage and the ratios that run printed against the goals of the
-  fast-compaction issue (the same lines as ``bench_compaction.py --summary``).
+  with today's defaults on one thread: seconds per stage and the ratios that run printed against the
+  goals of the fast-compaction issue (the same lines as ``bench_compaction.py --summary``);
+  ``compaction-time-two-threads``: the same for the last run on two threads.
 - ``development-split`` (``docs/results.md``): mean continuation damage on the development documents
   (``bench_fidelity.py --split dev``) per method and compaction options, each row labelled by the
   ``--option`` values that made it, or ``default`` when its config id is today's default there.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import shlex
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 from . import checkout
@@ -116,12 +118,13 @@ def selectors_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def compaction_time_markdown(rows: list[dict]) -> str:
-    """The last model-section run of ``bench_compaction.py`` with today's defaults: its command, date
-    and machine, a table of seconds per stage, and the ratios it printed against the issue's goals."""
+def compaction_time_markdown(rows: list[dict], threads: int = 1) -> str:
+    """The last model-section run of ``bench_compaction.py`` with today's defaults on ``threads`` torch
+    threads: its command, date and machine, a table of seconds per stage, and the ratios it printed
+    against the issue's goals."""
     from .bench_compaction import ARCKV_STAGES, last_model_run, post_repeat, ratio_lines
 
-    run, results = last_model_run(rows)
+    run, results = last_model_run([r for r in rows if str(r.get("threads", "")) == str(threads)])
     lengths = sorted({k[2] for k in results})
     ratios = sorted({k[1] for k in results if k[0] != "none"}, reverse=True)
     methods = list(dict.fromkeys(k[0] for k in results if k[0] != "none"))
@@ -157,6 +160,8 @@ def compaction_time_markdown(rows: list[dict]) -> str:
 #: (doc, block name, source CSV, generator) of every generated study table; paths from the checkout root
 STUDY_BLOCKS = (
     ("docs/results.md", "compaction-time", "leaderboards/bench_compaction.csv", compaction_time_markdown),
+    ("docs/results.md", "compaction-time-two-threads", "leaderboards/bench_compaction.csv",
+     partial(compaction_time_markdown, threads=2)),
     ("docs/results.md", "development-split", "leaderboards/fidelity_dev.csv", dev_split_markdown),
     ("docs/indexer.md", "selectors-dev", "leaderboards/fidelity_dev.csv", selectors_markdown),
 )
