@@ -446,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     add_option_argument(p)
     p.add_argument("--summary", action="store_true",
-                   help="run nothing: print the model section's summary and ratios from --out (current options)")
+                   help="run nothing: print the model section's summary and ratios from --out (current options, "
+                        "the last run on --threads threads)")
     args = p.parse_args(argv)
     q = args.quick
     args.methods = args.methods or [*COMPACTION_METHODS, *KVPRESS_METHODS]
@@ -474,16 +475,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def last_model_run(rows: list[dict], ids: CurrentIds | None = None, methods=None, lengths=None
+def last_model_run(rows: list[dict], ids: CurrentIds | None = None, methods=None, lengths=None, threads: int = 1
                    ) -> tuple[dict[str, str], dict[tuple, dict[str, float]]]:
-    """The model-section rows of one run, the last one that wrote a row with the ids each method uses
-    now (``ids``; default: today's defaults for the default model), restricted to ``methods`` and
-    ``lengths`` when given: ``(run, results)`` with ``run`` its ``date``, ``command`` and ``machine``
-    and ``results[(method, ratio, length)] = {stage: seconds}``. An interrupted run counts."""
+    """The model-section rows of one run on ``threads`` torch threads, the last one that wrote a row
+    with the ids each method uses now (``ids``; default: today's defaults for the default model),
+    restricted to ``methods`` and ``lengths`` when given: ``(run, results)`` with ``run`` its
+    ``date``, ``command`` and ``machine`` and ``results[(method, ratio, length)] = {stage: seconds}``.
+    An interrupted run counts."""
     from arckv_press.models import DEFAULT_MODEL_ID
 
     ids = ids or CurrentIds(DEFAULT_MODEL_ID)
-    rows = [r for r in rows if r["section"] == "model" and (lengths is None or int(r["length"]) in lengths)
+    rows = [r for r in rows if r["section"] == "model" and str(r["threads"]) == str(threads)
+            and (lengths is None or int(r["length"]) in lengths)
             and (r["method"] == "none" or ((methods is None or r["method"] in methods) and ids.matches(r)))]
     if not rows:
         raise ValueError("no model-section rows for these methods and lengths with the current options")
@@ -497,14 +500,14 @@ def last_model_run(rows: list[dict], ids: CurrentIds | None = None, methods=None
 
 def summary_from_csv(args) -> None:
     """Print the model section's summary and ratios from ``args.out``, from the rows of one run: the
-    last one that wrote a row for these methods and lengths with the options they use now (with
-    ``--option``: those options). An interrupted run can still be summarised."""
+    last one on ``--threads`` threads that wrote a row for these methods and lengths with the options
+    they use now (with ``--option``: those options). An interrupted run can still be summarised."""
     from arckv_press.models import DEFAULT_MODEL_ID
     from arckv_press.runinfo import read_rows
 
     try:
         run, results = last_model_run(read_rows(args.out), CurrentIds(args.model or DEFAULT_MODEL_ID, args.options),
-                                      args.methods, args.lengths)
+                                      args.methods, args.lengths, args.threads)
     except ValueError as e:
         raise SystemExit(f"{args.out}: {e}") from None
     print(f"run of {run['date']} on {run['machine']}: {run['command']}")

@@ -124,7 +124,7 @@ def compaction_time_markdown(rows: list[dict], threads: int = 1) -> str:
     against the issue's goals."""
     from .bench_compaction import ARCKV_STAGES, last_model_run, post_repeat, ratio_lines
 
-    run, results = last_model_run([r for r in rows if str(r.get("threads", "")) == str(threads)])
+    run, results = last_model_run(rows, threads=threads)
     lengths = sorted({k[2] for k in results})
     ratios = sorted({k[1] for k in results if k[0] != "none"}, reverse=True)
     methods = list(dict.fromkeys(k[0] for k in results if k[0] != "none"))

@@ -327,7 +327,6 @@ class _FreeSlots:
         return torch.where(fm, x_fixed, out)
 
 
-
 class GramSum:
     """Running sum of ``X^T X`` ``[H, t, t]`` over row blocks ``X [H, b, t]`` (the normal matrices of
     Eqs. (mass_fit) and (value_lstsq)), computed on its lower block triangle only.
