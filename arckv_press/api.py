@@ -48,23 +48,35 @@ from arckv_press.compaction.select import POOLINGS, corrected_scores, global_bud
 from arckv_press.methods import method as lookup_method
 
 __all__ = ["CompactionConfig", "config_id", "compact", "compact_prefilled", "CompactionReport",
-           "LAMBDA_SCHEDULE", "scheduled_lambda_m"]
+           "RATIO_SCHEDULE", "RatioDefaults", "ratio_defaults"]
 
 PIPELINES = ("fused", "separate")
 INDEXER_ROWS = ("all", "budget", "corrected")  # CompactionConfig.indexer_rows
 
-# (smallest kept fraction, lambda_m) steps, largest first: the default key-merging coefficient of
-# Eq. (key_merge) at a kept fraction. Chosen on the development split of the fidelity benchmark
-# (never on the documents the leaderboards report; docs/methodology.md): merging harder pays off
-# once a head keeps only a few percent of its positions.
-LAMBDA_SCHEDULE: tuple[tuple[float, float], ...] = ((0.05, 0.25), (0.0, 1.0))
+@dataclass(frozen=True)
+class RatioDefaults:
+    """ARC-KV's defaults from kept fraction ``lowest`` down to the next step of :data:`RATIO_SCHEDULE`:
+    the key-merging coefficient ``lambda_m`` of Eq. (key_merge) and how anchors are found
+    (``anchor_search``, :class:`~arckv_press.compaction.layer.LayerMethod`)."""
+
+    lowest: float
+    lambda_m: float
+    anchor_search: str
 
 
-def scheduled_lambda_m(ratio: float) -> float:
-    """The default ``lambda_m`` at kept fraction ``ratio``: the first step of
-    :data:`LAMBDA_SCHEDULE` whose smallest kept fraction ``ratio`` reaches."""
+# Steps, largest kept fraction first. Chosen on the development split of the fidelity benchmark (never
+# on the documents the leaderboards report; docs/methodology.md): from keep 5% up, the top-t of the
+# selector's scores (they keep planted needles); below it, where a head keeps a handful of anchors and
+# no selector keeps needles, Attention Matching's OMP search on the budget rows, which picks anchors
+# that together fit every row's attention mass, then ARC-KV's merging and fits.
+RATIO_SCHEDULE: tuple[RatioDefaults, ...] = (RatioDefaults(0.05, 0.25, "scores"), RatioDefaults(0.0, 0.25, "omp"))
+
+
+def ratio_defaults(ratio: float) -> RatioDefaults:
+    """The step of :data:`RATIO_SCHEDULE` for kept fraction ``ratio``: the first whose ``lowest``
+    ``ratio`` reaches."""
     ratio = check_ratio(ratio)
-    return next(lam for lowest, lam in LAMBDA_SCHEDULE if ratio >= lowest)
+    return next(step for step in RATIO_SCHEDULE if ratio >= step.lowest)
 
 
 @dataclass
@@ -76,9 +88,9 @@ class CompactionConfig:
             ``am-omp-fast`` or ``am-ha``.
         ratio: kept fraction rho in (0, 1].
         lambda_m: key-merging coefficient of Eq. (key_merge) (the paper uses 0.25 for QuALITY and
-            RULER); ``None`` (default) takes it from :data:`LAMBDA_SCHEDULE` at ``ratio``
-            (:func:`scheduled_lambda_m`): 0.25 at keep 5% and above, 1.0 below (chosen on the
-            fidelity dev split, ``docs/methodology.md``).
+            RULER); ``None`` (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio``
+            (:func:`ratio_defaults`; 0.25 at every kept fraction, chosen on the fidelity dev split,
+            ``docs/methodology.md``).
         pooling: ``rms`` (paper Eq. (indexer_pooling)), ``mean`` or ``max``.
         query_budget: reference-query rows per KV head (G rows per captured position).
         context_fraction: share of reference rows taken from the context's own prefill queries
@@ -151,9 +163,11 @@ class CompactionConfig:
         fit_scope: ARC-KV: the anchors whose beta and C_v are fitted, ``"merged"`` (default: only
             anchors that absorbed other positions; the others keep their own key, value and
             beta = 0) or ``"all"`` (the paper; :class:`~arckv_press.compaction.layer.LayerMethod`).
-        anchor_search: fused pipeline, ARC-KV: ``"scores"`` (default: top-t of the anchor scores) or
-            ``"omp"`` / ``"omp-fast"`` (Attention Matching's greedy search on the budget rows, then
-            ARC-KV's merging and fits; :class:`~arckv_press.compaction.layer.LayerMethod`).
+        anchor_search: ARC-KV: ``"scores"`` (top-t of the anchor scores) or ``"omp"`` / ``"omp-fast"``
+            (Attention Matching's greedy search on the budget rows, with the budgets the scores
+            allocate, then ARC-KV's merging and fits; :class:`~arckv_press.compaction.layer.LayerMethod`).
+            ``None`` (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio``: ``"scores"`` at
+            keep 5% and above, ``"omp"`` below.
         fit_witnesses: with ``score_queries="all"``, the fits (and key merging) use the
             ``query_budget`` rows plus every anchor's witness query, the captured row that attends
             to it most (:mod:`arckv_press.compaction.witness`): without them, anchors picked for a
@@ -189,7 +203,7 @@ class CompactionConfig:
     score_rows: int | None = 512
     score_shrink: float = 0.1
     fit_scope: str = "merged"
-    anchor_search: str = "scores"
+    anchor_search: str | None = None
 
     def __post_init__(self) -> None:
         lookup_method(self.method, ours=True)
@@ -238,12 +252,16 @@ class CompactionConfig:
 
     def merging_coefficient(self) -> float:
         """``lambda_m`` as used at this config's kept fraction (the schedule's when ``None``)."""
-        return scheduled_lambda_m(self.ratio) if self.lambda_m is None else self.lambda_m
+        return ratio_defaults(self.ratio).lambda_m if self.lambda_m is None else self.lambda_m
+
+    def anchor_search_used(self) -> str:
+        """``anchor_search`` as used at this config's kept fraction (the schedule's when ``None``)."""
+        return ratio_defaults(self.ratio).anchor_search if self.anchor_search is None else self.anchor_search
 
     def layer_method(self) -> LayerMethod:
         return LayerMethod(self.method, self.merging_coefficient(), self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
                            fit_witnesses=self.fit_witnesses, verbatim_fraction=self.verbatim_fraction,
-                           fit_scope=self.fit_scope, anchor_search=self.anchor_search)
+                           fit_scope=self.fit_scope, anchor_search=self.anchor_search_used())
 
 
 _RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")
@@ -279,8 +297,8 @@ def config_id(config: CompactionConfig) -> str:
     """Short content id (12 hex digits) of the options that shape a compaction's result.
 
     Covers every :class:`CompactionConfig` field (and :class:`FitConfig`) except the kept fraction,
-    with ``lambda_m`` as used at that kept fraction (so the default schedule and the same coefficient
-    given explicitly share an id, and the id changes where the schedule does),
+    with ``lambda_m`` and ``anchor_search`` as used at that kept fraction (so the default schedule and
+    the same values given explicitly share an id, and the id changes where the schedule does),
     progress bars, ``min_length`` (it only refuses inputs) and the indexer (which has its own id,
     :func:`arckv_press.indexer.checkpoint.checkpoint_id`); for Attention Matching methods also
     except the ARC-KV-only options they ignore (merging, budgets, witnesses). Benchmark rows store
@@ -289,11 +307,14 @@ def config_id(config: CompactionConfig) -> str:
     """
     skip = set(_RUN_ONLY_FIELDS) | (set(_ARCKV_ONLY_FIELDS) if config.family == "am" else set())
     skip |= set(_INDEXER_ONLY_FIELDS) if config.method != "arckv" else set()
-    skip |= {name for name, default in _OMITTED_AT_DEFAULT.items() if getattr(config, name) == default}
+    used = {"anchor_search": config.anchor_search_used()}  # resolved from the schedule where it decides
+    skip |= {name for name, default in _OMITTED_AT_DEFAULT.items() if used.get(name, getattr(config, name)) == default}
     skip |= set(_CORRECTED_ONLY_FIELDS) if config.indexer_rows != "corrected" else set()
     options = {f.name: _canonical(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in skip}
     if "lambda_m" in options:  # the coefficient used at this kept fraction: the schedule's or the one given
         options["lambda_m"] = _canonical(float(config.merging_coefficient()))
+    if "anchor_search" in options:
+        options["anchor_search"] = used["anchor_search"]
     if config.family == "am":
         options["fit"].pop("gram_dtype")  # Attention Matching always forms float64 products
     return hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]

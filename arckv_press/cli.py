@@ -38,7 +38,8 @@ def cmd_compact(args) -> int:
     model, tok = _load(args)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        options = {k: v for k, v in (("lambda_m", args.lambda_m), ("min_head_fraction", args.min_head_fraction)) if v is not None}
+        options = {k: v for k, v in (("lambda_m", args.lambda_m), ("min_head_fraction", args.min_head_fraction),
+                                     ("anchor_search", args.anchor_search)) if v is not None}
         cache = compact(model, tok, text, method=args.method, ratio=args.ratio, progress=True, **options)
     seconds = time.perf_counter() - t0
     out = Path(args.output or f"{args.file}.arckv")
@@ -110,7 +111,8 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from arckv_press.api import LAMBDA_SCHEDULE, CompactionConfig
+    from arckv_press.api import RATIO_SCHEDULE, CompactionConfig
+    from arckv_press.compaction.layer import ANCHOR_SEARCHES
     from arckv_press.methods import COMPACTION_METHODS
 
     defaults = CompactionConfig()
@@ -124,9 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--method", default="arckv", choices=list(COMPACTION_METHODS))
     p.add_argument("--ratio", type=float, default=0.1, help="kept fraction rho in (0, 1]")
-    p.add_argument("--lambda-m", type=float, default=None, help="ARC-KV key-merging coefficient (default: by kept fraction, "
-                   + ", ".join(f"{lam:g} at ratio >= {lowest:g}" if lowest > 0 else f"{lam:g} below"
-                               for lowest, lam in LAMBDA_SCHEDULE) + ")")
+    def schedule(field: str) -> str:
+        """The default of ``field`` by kept fraction, as RATIO_SCHEDULE gives it."""
+        values = [getattr(step, field) for step in RATIO_SCHEDULE]
+        if len(set(values)) == 1:
+            return f"{values[0]} at every kept fraction"
+        return "by kept fraction, " + ", ".join(f"{v} at ratio >= {step.lowest:g}" if step.lowest > 0 else f"{v} below"
+                                                for v, step in zip(values, RATIO_SCHEDULE))
+
+    p.add_argument("--lambda-m", type=float, default=None,
+                   help=f"ARC-KV key-merging coefficient (default: {schedule('lambda_m')})")
+    p.add_argument("--anchor-search", default=None, choices=list(ANCHOR_SEARCHES),
+                   help=f"ARC-KV: top-t of the anchor scores or Attention Matching's OMP search (default: "
+                        f"{schedule('anchor_search')})")
     p.add_argument("--min-head-fraction", type=float, default=None,
                    help=f"ARC-KV: share of its uniform budget every layer-head keeps (default {defaults.min_head_fraction}; "
                         "0 = fully global, 1 = uniform budgets)")

@@ -335,7 +335,7 @@ class ARCKVPress(_CompactionPress):
             keeps every position with beta = 0 and answers exactly as the full cache.
         lambda_m: key-merging coefficient (paper Eq. (key_merge); 0.25 in the paper); ``None``
             (default) takes it from the schedule by kept fraction
-            (:data:`~arckv_press.api.LAMBDA_SCHEDULE`).
+            (:data:`~arckv_press.api.RATIO_SCHEDULE`).
         selector: anchor selector: ``"indexer"`` (learned value-aware indexer, method ``arckv``),
             ``"ha"`` (highest attention, ``arckv-ha``) or ``"vi"`` (value influence, ``arckv-vi``);
             paper App. C.1.

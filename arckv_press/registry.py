@@ -49,8 +49,8 @@ def method_config_id(name: str, ratio: float, **options: Any) -> str:
 
     Results store it next to :func:`indexer_id`, so that after a default changes (say
     ``min_head_fraction``) resumed runs redo the affected methods instead of mixing configurations.
-    It depends on ``ratio`` only where a default does (the ``lambda_m`` schedule,
-    :data:`arckv_press.api.LAMBDA_SCHEDULE`).
+    It depends on ``ratio`` only where a default does (the ``lambda_m`` / ``anchor_search`` schedule,
+    :data:`arckv_press.api.RATIO_SCHEDULE`).
     """
     if not method(name).ours:
         return ""

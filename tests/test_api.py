@@ -587,9 +587,14 @@ def test_config_id_covers_the_options_that_shape_a_result():
 
     base = cid(method="arckv-ha")
     assert base == cid(method="arckv-ha", ratio=0.05, progress=True, min_length=99) and len(base) == 12
-    # the kept fraction counts only through the lambda_m schedule: the id is that of the coefficient used
+    # the kept fraction counts only through the schedule: the id is that of the lambda_m / anchor search used
     assert base == cid(method="arckv-ha", lambda_m=0.25) == cid(method="arckv-ha", ratio=0.3, lambda_m=0.25)
-    assert cid(method="arckv-ha", ratio=0.02) == cid(method="arckv-ha", ratio=0.01, lambda_m=1.0) != base
+    assert base == cid(method="arckv-ha", anchor_search="scores") == cid(method="arckv-ha", ratio=0.01, anchor_search="scores")
+    low = cid(method="arckv-ha", ratio=0.02)
+    assert low == cid(method="arckv-ha", ratio=0.01) == cid(method="arckv-ha", anchor_search="omp") != base
+    assert cid(method="arckv-ha", ratio=0.01, lambda_m=1.0) == cid(method="arckv-ha", lambda_m=1.0, anchor_search="omp") != low
+    # the stored rows of the schedule before (top-t anchors, lambda_m = 1 below keep 5%) keep their id
+    assert cid(method="arckv-ha", ratio=0.01, lambda_m=1.0, anchor_search="scores") == "2085e7327324"
     for change in (dict(min_head_fraction=0.25), dict(lambda_m=0.0), dict(fit_witnesses=False), dict(seed=1),
                    dict(query_budget=512), dict(allocation="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
                    dict(budget_weights=torch.ones(3, 2)), dict(pipeline="separate"), dict(merge_rows=None),
@@ -627,24 +632,28 @@ def test_config_id_covers_the_options_that_shape_a_result():
     assert method_config_id("snapkv", 0.1) == method_config_id("none", 1.0) == ""
 
 
-def test_lambda_schedule_is_the_default_coefficient_and_an_explicit_one_wins():
-    """``lambda_m=None`` (default) uses LAMBDA_SCHEDULE at the kept fraction: the step boundaries are
-    inclusive, every kept fraction in (0, 1] gets a coefficient in [0, 1], and the layer method and
-    the press both see the scheduled value; a given ``lambda_m`` overrides it."""
-    from arckv_press.api import LAMBDA_SCHEDULE, scheduled_lambda_m
+def test_ratio_schedule_gives_the_defaults_and_explicit_options_win():
+    """``lambda_m=None`` / ``anchor_search=None`` (defaults) take RATIO_SCHEDULE's step at the kept
+    fraction: the step boundaries are inclusive, every kept fraction in (0, 1] is covered, and the
+    layer method and the press both see the scheduled values; given options override them."""
+    from arckv_press.api import RATIO_SCHEDULE, ratio_defaults
     from arckv_press.presses import ARCKVPress
 
-    assert [lowest for lowest, _ in LAMBDA_SCHEDULE] == sorted((lowest for lowest, _ in LAMBDA_SCHEDULE), reverse=True)
-    assert LAMBDA_SCHEDULE[-1][0] == 0.0  # every kept fraction is covered
-    for ratio, want in ((1.0, 0.25), (0.1, 0.25), (0.05, 0.25), (0.0499, 1.0), (0.02, 1.0), (0.01, 1.0), (1e-6, 1.0)):
-        assert scheduled_lambda_m(ratio) == want, ratio
+    lowest = [step.lowest for step in RATIO_SCHEDULE]
+    assert lowest == sorted(lowest, reverse=True) and lowest[-1] == 0.0  # every kept fraction is covered
+    for ratio, search in ((1.0, "scores"), (0.1, "scores"), (0.05, "scores"), (0.0499, "omp"), (0.02, "omp"),
+                          (0.01, "omp"), (1e-6, "omp")):
+        assert ratio_defaults(ratio).anchor_search == search and ratio_defaults(ratio).lambda_m == 0.25, ratio
         config = CompactionConfig(method="arckv-ha", ratio=ratio)
-        assert config.merging_coefficient() == config.layer_method().lambda_m == want
-        assert ARCKVPress(ratio=ratio, selector="ha").compaction_config().layer_method().lambda_m == want
-        assert CompactionConfig(method="arckv-ha", ratio=ratio, lambda_m=0.6).layer_method().lambda_m == 0.6
+        assert config.merging_coefficient() == config.layer_method().lambda_m == 0.25
+        assert config.anchor_search_used() == config.layer_method().anchor_search == search
+        press = ARCKVPress(ratio=ratio, selector="ha").compaction_config().layer_method()
+        assert (press.lambda_m, press.anchor_search) == (0.25, search)
+        given = CompactionConfig(method="arckv-ha", ratio=ratio, lambda_m=0.6, anchor_search="omp-fast").layer_method()
+        assert (given.lambda_m, given.anchor_search) == (0.6, "omp-fast")
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="ratio"):
-            scheduled_lambda_m(bad)
+            ratio_defaults(bad)
 
 
 @pytest.mark.parametrize("base", ["ha", "vi"])
@@ -787,3 +796,22 @@ def test_omp_anchor_search_takes_the_am_search_on_the_budget_rows(tiny_model, ti
     assert config_id(CompactionConfig(method="arckv-ha", anchor_search="omp-fast")) != config_id(CompactionConfig(method="arckv-ha"))
     with pytest.raises(ValueError, match="anchor_search"):
         CompactionConfig(method="arckv-ha", anchor_search="lasso")
+
+
+def test_default_below_keep_5_percent_is_the_omp_search(tiny_model, tiny_tokenizer, monkeypatch):
+    """The schedule's anchor search: below keep 5% the default compaction runs OMP on every layer and
+    builds exactly the cache of ``anchor_search="omp"`` given explicitly; at keep 5% it runs none."""
+    import arckv_press.compaction.layer as layer_mod
+
+    model, tok, text, *_ = _three_layer_reference(tiny_model, tiny_tokenizer)
+    calls, real = [], layer_mod.omp_select
+    monkeypatch.setattr(layer_mod, "omp_select", lambda *a: calls.append(a[-1]) or real(*a))
+    with torch.no_grad():
+        default = compact(model, tok, text, "arckv-ha", 0.04, query_budget=40, seed=3)
+        assert calls == [layer_mod.AM_OMP] * 3
+        given = compact(model, tok, text, "arckv-ha", 0.04, query_budget=40, seed=3, anchor_search="omp")
+        calls.clear()
+        compact(model, tok, text, "arckv-ha", 0.05, query_budget=40, seed=3)
+    assert calls == []
+    for a, b in zip(default.compact_layers, given.compact_layers):
+        assert torch.equal(a.ck, b.ck) and torch.equal(a.beta, b.beta) and torch.equal(a.cv, b.cv)

@@ -46,8 +46,8 @@ def test_compact_then_ask_answers_as_the_api(tiny_model, tmp_path, capsys):
 
 
 def test_compact_options_reach_the_compaction_and_its_saved_record(tiny_model, tmp_path, capsys):
-    """``--min-head-fraction`` / ``--lambda-m`` change the compaction (uniform budgets at 1.0, as
-    ``compact()`` gives them) and the saved cache records the options' ``config_id``."""
+    """``--min-head-fraction`` / ``--lambda-m`` / ``--anchor-search`` change the compaction (uniform
+    budgets at 1.0, as ``compact()`` gives them) and the saved cache records the options' ``config_id``."""
     from arckv_press.api import CompactionConfig, config_id
     from arckv_press.cache import CompactCache
 
@@ -58,8 +58,8 @@ def test_compact_options_reach_the_compaction_and_its_saved_record(tiny_model, t
     model, tok = load_model(str(folder), dtype="float32")
     saved = {}
     for name, extra, options in (("default", [], {}),
-                                 ("uniform", ["--min-head-fraction", "1", "--lambda-m", "0.5"],
-                                  {"min_head_fraction": 1.0, "lambda_m": 0.5})):
+                                 ("uniform", ["--min-head-fraction", "1", "--lambda-m", "0.5", "--anchor-search", "omp-fast"],
+                                  {"min_head_fraction": 1.0, "lambda_m": 0.5, "anchor_search": "omp-fast"})):
         out = tmp_path / f"{name}.arckv"
         assert cli.main([*common, *extra, "-o", str(out)]) == 0
         capsys.readouterr()
@@ -106,7 +106,9 @@ def test_compact_help_states_the_configs_defaults():
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["compact"]
     helps = {a.dest: a.help for a in sub._actions}
     defaults = CompactionConfig()
-    assert defaults.lambda_m is None and "(default: by kept fraction, 0.25 at ratio >= 0.05, 1 below)" in helps["lambda_m"]
+    assert defaults.lambda_m is None and "(default: 0.25 at every kept fraction)" in helps["lambda_m"]
+    assert defaults.anchor_search is None
+    assert "(default: by kept fraction, scores at ratio >= 0.05, omp below)" in helps["anchor_search"]
     assert f"(default {defaults.min_head_fraction};" in helps["min_head_fraction"]
 
 

@@ -504,8 +504,9 @@ def _dev_row(method, ratio, doc, damage, config_id, command="python scripts/benc
 
 def test_development_split_labels_rows_by_their_options_and_todays_defaults():
     """A row with today's ids is ``default`` (whatever its command said), another one is labelled by
-    its ``--option`` values, or by its config id when its command has none (an earlier default);
-    cells are means over documents, with the count when a cell has fewer documents than the table."""
+    its ``--option`` values plus the known options that were defaults when it ran (checked against
+    its ids), or by its config id when nothing gives its ids; cells are means over documents, with
+    the count when a cell has fewer documents than the table."""
     from arckv_press.bench.study_tables import dev_damage, dev_split_markdown, selectors_markdown
     from arckv_press.models import DEFAULT_MODEL_ID
     from arckv_press.runinfo import CurrentIds
@@ -516,11 +517,13 @@ def test_development_split_labels_rows_by_their_options_and_todays_defaults():
             _dev_row("arckv-ha", "0.1", "1", "0.4", cur["arckv-ha"][0.1]),
             _dev_row("arckv-ha", "0.02", "0", "0.5", cur["arckv-ha"][0.1], "x --option lambda_m=0.25 --threads 1"),
             _dev_row("arckv-ha", "0.02", "0", "0.7", "feedfacecafe"),
+            _dev_row("arckv-ha", "0.02", "1", "0.9", "feedfacecafe", "x --option lambda_m=0.3"),
             _dev_row("arckv-vi", "0.1", "0", "0.3", cur["arckv-vi"][0.1])]
     damage = dev_damage(rows)
     assert damage[("arckv-ha", "default")] == {"0.1": (pytest.approx(0.3), 2)}
-    assert damage[("arckv-ha", "lambda_m=0.25")] == {"0.02": (0.5, 1)}  # keep 10%'s coefficient at keep 2%
-    assert damage[("arckv-ha", "config feedfacecafe")] == {"0.02": (0.7, 1)}
+    # keep 10%'s defaults at keep 2%: the option named, plus the anchor search that was the default then
+    assert damage[("arckv-ha", "lambda_m=0.25 anchor_search=scores")] == {"0.02": (0.5, 1)}
+    assert damage[("arckv-ha", "config feedfacecafe")] == {"0.02": (pytest.approx(0.8), 2)}  # a command's claim is checked
     # a row whose command names no option but whose ids are those of a known option is named by it
     former = {**_dev_row("arckv", "0.1", "0", "0.5", ""),
               **CurrentIds(DEFAULT_MODEL_ID, {"indexer_rows": "all"})("arckv", 0.1)}
@@ -532,7 +535,7 @@ def test_development_split_labels_rows_by_their_options_and_todays_defaults():
     lines = dev_split_markdown(rows).splitlines()
     assert lines[0] == "| method | options | keep 10% | keep 2% |"
     assert lines[2] == "| `arckv-ha` | default | 0.300 |  |"
-    assert "| `arckv-ha` | `lambda_m=0.25` |  | 0.500 (1 docs) |" in lines
+    assert "| `arckv-ha` | `lambda_m=0.25 anchor_search=scores` |  | 0.500 (1 docs) |" in lines
     # the selector table needs a kept fraction every selector has: arckv has none here
     assert selectors_markdown(rows).startswith("(no kept fraction has development rows of all three selectors")
     learned = {**_dev_row("arckv", "0.1", "0", "0.25", ""), **CurrentIds(DEFAULT_MODEL_ID)("arckv", 0.1)}

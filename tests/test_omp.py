@@ -421,3 +421,59 @@ def test_bad_inputs_raise():
         OMPConfig(schedule=((None, 1, 1), (300, 2, 2)))
     with pytest.raises(TypeError, match="config"):
         omp_select(Q, K, 4, s, AM_HA)
+
+
+# ------------------------------------------------------------------------------------------------
+# ARC-KV's OMP anchor search (compaction.layer.omp_anchors; the default below keep 5%)
+
+
+def test_omp_anchors_are_the_am_search_and_fill_budgets_beyond_the_rows_with_top_scores():
+    """A head whose budget fits the rows gets exactly OMP's anchors; a head asking for more keys than
+    there are rows gets OMP's choice of ``n`` plus the best-scored positions OMP left (brute force), no
+    duplicates; the scores are read only when needed."""
+    from arckv_press.compaction.layer import omp_anchors
+
+    Q, K, _ = _random_qk(11, H=3, n=12, T=40, D=8, dtype=torch.float32)
+    scores = torch.rand(3, 40, generator=torch.Generator().manual_seed(2))
+    calls = []
+
+    def lazy():
+        calls.append(1)
+        return scores
+
+    budgets = torch.tensor([5, 9, 12])
+    idx, valid = omp_anchors(Q, K, budgets, 0.3, "omp", lazy)
+    ref_idx, ref_valid, _ = omp_select(Q, K, budgets, 0.3, AM_OMP)
+    assert not calls and torch.equal(idx, ref_idx) and torch.equal(valid, ref_valid)
+
+    budgets = torch.tensor([5, 20, 12])                      # head 1 asks for 20 keys from 12 rows
+    idx, valid = omp_anchors(Q, K, budgets, 0.3, "omp-fast", lazy)
+    capped, _, _ = omp_select(Q, K, budgets.clamp_max(12), 0.3, AM_OMP_FAST)
+    assert len(calls) == 1 and valid.sum(-1).tolist() == [5, 20, 12] and idx.shape == (3, 20)
+    for h in (0, 2):
+        assert torch.equal(idx[h, :int(budgets[h])], capped[h, :int(budgets[h])])
+    got = idx[1, valid[1]].tolist()
+    first = capped[1, :12].tolist()
+    rest = [j for j in sorted(range(40), key=lambda j: (-float(scores[1, j]), j)) if j not in first][:8]
+    assert len(set(got)) == 20 and set(got) == set(first) | set(rest)
+
+
+def test_separate_pipeline_searches_omp_anchors_on_its_fit_rows():
+    """``compact_layer`` (the separate pipeline) with ``anchor_search="omp"`` takes OMP's anchors on
+    the rows of ``fit_positions`` (all query heads of each, GQA layout), not on the whole pool."""
+    from arckv_press.compaction.layer import LayerMethod, compact_layer
+    from arckv_press.compaction.reference import grouped_rows
+
+    G, N = 2, 30
+    Q, K, V = _random_qk(5, H=2, n=G * N, T=24, D=8, dtype=torch.float32)
+    positions = torch.tensor([1, 4, 7, 9, 15, 20, 22, 28])
+    budgets = torch.tensor([4, 6])
+    res = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", anchor_search="omp", fit_witnesses=False),
+                        fit_positions=positions, group_size=G)
+    ref, ref_valid, _ = omp_select(Q[:, grouped_rows(positions, N, G)], K, budgets, 0.3, AM_OMP)
+    for h in range(2):
+        assert sorted(res.anchors[h, res.valid[h]].tolist()) == sorted(ref[h, ref_valid[h]].tolist())
+    other = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", anchor_search="omp", fit_witnesses=False),
+                          fit_positions=torch.arange(N), group_size=G)
+    assert any(set(res.anchors[h, res.valid[h]].tolist()) != set(other.anchors[h, other.valid[h]].tolist())
+               for h in range(2))

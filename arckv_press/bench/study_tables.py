@@ -18,6 +18,7 @@ from __future__ import annotations
 import shlex
 from collections import defaultdict
 from functools import partial
+from itertools import combinations
 from pathlib import Path
 
 from . import checkout
@@ -27,44 +28,72 @@ __all__ = ["STUDY_BLOCKS", "dev_damage", "dev_split_markdown", "selectors_markdo
            "compaction_time_markdown", "update_study_docs"]
 
 
-def _options(command: str) -> str:
-    """The ``--option KEY=VALUE`` values of a stored command line, space separated ('' if none)."""
+def _options(command: str) -> dict:
+    """The ``--option KEY=VALUE`` values of a stored command line, in order (:func:`parse_option`)."""
+    from arckv_press.runinfo import parse_option
+
     words = shlex.split(command)
-    return " ".join(words[i + 1] for i, w in enumerate(words[:-1]) if w == "--option")
+    return dict(parse_option(words[i + 1]) for i, w in enumerate(words[:-1]) if w == "--option")
 
 
-#: option sets a stored row may have been made with although its command names none (they were the
-#: defaults of the code that ran it): a row whose ids are today's with one of them is labelled by it
-#: (its ids are recomputed, so a label cannot be wrong)
-KNOWN_OPTIONS = ({"lambda_m": 0.25}, {"indexer_rows": "all"})
+#: option values that were defaults when a stored row was made, so its command does not name them.
+#: A row is labelled with its command's options plus the first combination of these (fewest first)
+#: under which today's code gives the row's ids (the ids are recomputed, so a label cannot be wrong):
+#: ``lambda_m`` 0.25 and ``indexer_rows="all"`` were the defaults before 2026-11-27, top-t anchors
+#: with ``lambda_m`` 1.0 the default below keep 5% until the OMP search replaced them.
+KNOWN_OPTIONS = ({"lambda_m": 0.25}, {"lambda_m": 1.0}, {"indexer_rows": "all"}, {"anchor_search": "scores"})
 
 #: config ids of option values whose code changed since (their rows stay, under this label)
 FORMER_IDS = {"30d356828b2a": "indexer_rows=corrected, additive estimate (superseded)",  # lambda_m 0.25
               "aca6877353e3": "indexer_rows=corrected, additive estimate (superseded)"}  # lambda_m 1.0 (keep < 5%)
 
 
+def _known_combinations() -> list[dict]:
+    """Every combination of :data:`KNOWN_OPTIONS` whose entries do not set one field twice, fewest first."""
+    combos = []
+    for size in range(len(KNOWN_OPTIONS) + 1):
+        for group in combinations(KNOWN_OPTIONS, size):
+            merged: dict = {}
+            if all(not (merged.keys() & part.keys()) and not merged.update(part) for part in group):
+                combos.append(merged)
+    return combos
+
+
 def dev_damage(rows: list[dict], model_id: str | None = None) -> dict[tuple[str, str], dict[str, tuple[float, int]]]:
     """``{(method, label): {ratio: (mean damage, documents)}}`` of development-split rows; ``label``
     is ``default`` when the row's ids are today's defaults at its kept fraction, else the
-    ``--option`` values of its command, else the :data:`KNOWN_OPTIONS` its ids match, else
-    ``config <id>`` (an earlier code state); rows of an id in :data:`FORMER_IDS` carry its label."""
+    ``--option`` values of its command plus the :data:`KNOWN_OPTIONS` that were defaults when it ran
+    (the first combination under which its ids are today's), else ``config <id>`` (an earlier code
+    state); rows of an id in :data:`FORMER_IDS` carry its label."""
     from arckv_press.models import DEFAULT_MODEL_ID
     from arckv_press.runinfo import CurrentIds
 
-    ids = CurrentIds(model_id or DEFAULT_MODEL_ID)
-    known = [(" ".join(f"{k}={v}" for k, v in opts.items()), CurrentIds(model_id or DEFAULT_MODEL_ID, opts))
-             for opts in KNOWN_OPTIONS]
+    model_id = model_id or DEFAULT_MODEL_ID
+    ids = CurrentIds(model_id)
+    checkers: dict[str, CurrentIds] = {}
+
+    def label(r: dict) -> str:
+        if r["config_id"] in FORMER_IDS:
+            return FORMER_IDS[r["config_id"]]
+        given = _options(r["command"])
+        for extra in _known_combinations():
+            if extra.keys() & given.keys():
+                continue
+            opts = {**given, **extra}
+            name = " ".join(f"{k}={v}" for k, v in opts.items())
+            if name not in checkers:
+                checkers[name] = CurrentIds(model_id, opts)
+            if checkers[name].matches(r):
+                return name
+        return f"config {r['config_id']}"
+
     docs: dict[tuple[str, str, str], dict[str, float]] = defaultdict(dict)
     for r in rows:
-        if ids.matches(r):
-            label = "default"
-        else:
-            label = FORMER_IDS.get(r["config_id"]) or _options(r["command"]) or next(
-                (name for name, other in known if other.matches(r)), f"config {r['config_id']}")
-        docs[(r["method"], label, fmt_ratio(r["ratio"]))][r["doc"]] = float(r["damage"])  # a rerun replaces
+        name = "default" if ids.matches(r) else label(r)
+        docs[(r["method"], name, fmt_ratio(r["ratio"]))][r["doc"]] = float(r["damage"])  # a rerun replaces
     out: dict[tuple[str, str], dict[str, tuple[float, int]]] = defaultdict(dict)
-    for (method, label, ratio), by_doc in docs.items():
-        out[(method, label)][ratio] = (sum(by_doc.values()) / len(by_doc), len(by_doc))
+    for (method, name, ratio), by_doc in docs.items():
+        out[(method, name)][ratio] = (sum(by_doc.values()) / len(by_doc), len(by_doc))
     return out
 
 

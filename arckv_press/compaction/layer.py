@@ -24,13 +24,14 @@ from arckv_press.compaction.fit import FitConfig, fit_beta, fit_values
 from arckv_press.compaction.merge import assign_to_anchors, check_anchors, merge_keys
 from arckv_press.compaction.omp import AM_OMP, AM_OMP_FAST, am_compact, omp_select
 from arckv_press.compaction.reference import grouped_rows
-from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, vi_scores
+from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, topk_anchors, vi_scores
 from arckv_press.compaction.stats import ReferenceStats
 from arckv_press.compaction.witness import block_witnesses, fit_positions_with_witnesses, head_fit_rows
 from arckv_press.methods import Method
 from arckv_press.methods import method as lookup_method
 
-__all__ = ["LayerMethod", "LayerResult", "compact_layer", "compact_layer_from_stats", "anchor_scores", "FIT_SCOPES"]
+__all__ = ["LayerMethod", "LayerResult", "compact_layer", "compact_layer_from_stats", "anchor_scores", "omp_anchors",
+           "FIT_SCOPES"]
 
 FIT_SCOPES = ("all", "merged")
 ANCHOR_SEARCHES = {"scores": None, "omp": AM_OMP, "omp-fast": AM_OMP_FAST}
@@ -58,11 +59,11 @@ class LayerMethod:
             (:func:`~.fit.fit_beta` / :func:`~.fit.fit_values` ``fixed``). The fits then grow with
             the square of the merged anchors, at most the positions a head drops, instead of all
             its anchors. ``"all"``: every anchor (the paper).
-        anchor_search: :func:`compact_layer_from_stats` only: how anchors are found. ``"scores"``
-            (default): the top-t of the selector's pooled scores (Eq. (indexer_pooling));
-            ``"omp"`` / ``"omp-fast"``: Attention Matching's greedy OMP search on the budget rows
-            (:func:`~.omp.omp_select`, which refits the attention mass after each pick), then the
-            same merging and fits.
+        anchor_search: how anchors are found. ``"scores"`` (default): the top-t of the selector's
+            pooled scores (Eq. (indexer_pooling)); ``"omp"`` / ``"omp-fast"``: Attention Matching's
+            greedy OMP search on the budget rows (:func:`~.omp.omp_select`, which refits the
+            attention mass after each pick), with the same per-head budgets, then the same merging
+            and fits.
         fit_witnesses: when merging and the fits use a subset of the scoring pool, add every
             anchor's witness query (the pooled row that attends to it most, :mod:`.witness`)
             to that subset: without it, anchors picked for a planted needle get C_v fitted from
@@ -143,6 +144,35 @@ def _prefix_order(idx: torch.Tensor, valid: torch.Tensor, *others: torch.Tensor)
     return (take(idx), take(valid), *(take(o) for o in others))
 
 
+def omp_anchors(
+    rows: torch.Tensor, K: torch.Tensor, budgets: torch.Tensor, scaling: float, search: str, scores
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors ``idx, valid [H, t_max]`` of ``anchor_search`` ``"omp"`` / ``"omp-fast"``: Attention
+    Matching's greedy search (:func:`~.omp.omp_select`) on the reference ``rows [H, n, D]`` for each
+    head's first ``min(t_h, n)`` anchors (its mass least squares needs at least as many rows as keys);
+    a head whose budget exceeds ``n`` takes the rest as the top of the pooled scores (Eq.
+    (indexer_pooling)) among the positions the search left. ``scores``: ``[H, T]`` or a function
+    returning them, called only then."""
+    H, T = K.shape[:2]
+    budgets = torch.as_tensor(budgets, device=K.device).long().expand(H)
+    capped = budgets.clamp_max(rows.shape[1])
+    idx, valid, _ = omp_select(rows, K, capped, scaling, ANCHOR_SEARCHES[search])
+    extra = budgets - capped
+    heads = (extra > 0).nonzero().flatten()
+    if not heads.numel():
+        return idx, valid
+    s = scores() if callable(scores) else scores
+    taken = torch.zeros(H, T, dtype=torch.bool, device=K.device)
+    taken[torch.arange(H, device=K.device)[:, None].expand_as(idx)[valid], idx[valid]] = True
+    rest = s[heads].float().masked_fill(taken[heads], float(s.min()) - 1.0)   # below every untaken key
+    idx_r, valid_r = topk_anchors(rest, extra[heads])
+    pad = torch.zeros(H, idx_r.shape[1], dtype=torch.long, device=K.device)
+    more, more_valid = pad.index_copy(0, heads, idx_r), pad.bool().index_copy(0, heads, valid_r)
+    idx, valid = _prefix_order(torch.cat([idx, more], 1), torch.cat([valid, more_valid], 1))
+    t_max = int(budgets.max())
+    return idx[:, :t_max], valid[:, :t_max]
+
+
 def anchor_scores(
     method: LayerMethod,
     Q: torch.Tensor,
@@ -191,8 +221,6 @@ def compact_layer(
     (plus each anchor's witness when ``method.fit_witnesses``); ``None`` = every row of ``Q``.
     Returns padded ``(C_k, beta, C_v)`` with a prefix ``valid`` mask per head.
     """
-    if method.anchor_search != "scores":
-        raise ValueError("anchor_search applies to the fused pipeline (compact_layer_from_stats) only")
     timings: dict[str, float] = {}
     watch = _Stopwatch(timings)
     variant = method.definition.variant
@@ -204,19 +232,28 @@ def compact_layer(
         idx, valid, C_k, beta, C_v = _prefix_order(idx, valid, C_k, beta, C_v)
         return LayerResult(C_k, beta, C_v, valid, idx, None, timings, Q.shape[1])
 
+    if Q.shape[1] % group_size:
+        raise ValueError(f"Q has {Q.shape[1]} rows, not a multiple of group_size={group_size}")
     with watch("selection"):
-        if scores is None:
-            scores = anchor_scores(method, Q, K, V, scaling, X, indexer, layer_idx)
-        elif tuple(scores.shape) != tuple(K.shape[:2]):
-            raise ValueError(f"scores must have shape {tuple(K.shape[:2])} (heads x positions), got {tuple(scores.shape)}")
-        idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
+        if method.anchor_search != "scores":  # AM's search on the rows the fits use (the budget rows)
+            rows = Q if fit_positions is None else Q[:, grouped_rows(fit_positions, Q.shape[1] // group_size,
+                                                                       group_size).to(Q.device)]
+            def own_scores():
+                return anchor_scores(method, Q, K, V, scaling, X, indexer, layer_idx) if scores is None else scores
+
+            idx, valid = omp_anchors(rows, K, budgets, scaling, method.anchor_search, own_scores)
+        else:
+            if scores is None:
+                scores = anchor_scores(method, Q, K, V, scaling, X, indexer, layer_idx)
+            elif tuple(scores.shape) != tuple(K.shape[:2]):
+                raise ValueError(f"scores must have shape {tuple(K.shape[:2])} (heads x positions), "
+                                 f"got {tuple(scores.shape)}")
+            idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
         idx, valid = _prefix_order(idx, valid)
     if fit_positions is not None:
         with watch("fit_rows"):
             if method.fit_witnesses:
                 fit_positions = fit_positions_with_witnesses(Q, K, idx, valid, scaling, group_size, fit_positions)
-            if Q.shape[1] % group_size:
-                raise ValueError(f"Q has {Q.shape[1]} rows, not a multiple of group_size={group_size}")
             Q = Q[:, grouped_rows(fit_positions, Q.shape[1] // group_size, group_size).to(Q.device)]
     check_anchors(idx, valid, K.shape[1])
     # Heads are merged and fitted one at a time at their own anchor count: under global budgets
@@ -271,8 +308,7 @@ def compact_layer_from_stats(
         if method.anchor_search == "scores":
             idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
         else:
-            idx, valid, _ = omp_select(Q[:, base_rows.to(K.device)], K, budgets, scaling,
-                                       ANCHOR_SEARCHES[method.anchor_search])
+            idx, valid = omp_anchors(Q[:, base_rows.to(K.device)], K, budgets, scaling, method.anchor_search, scores)
         idx, valid = _prefix_order(idx, valid)
     check_anchors(idx, valid, K.shape[1])
     row_max, row_lse, row_out = stats.rows("row_max"), stats.rows("row_lse"), stats.rows("row_out")
