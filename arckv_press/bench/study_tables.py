@@ -53,9 +53,9 @@ def _known_combinations() -> list[dict]:
     combos = []
     for size in range(len(KNOWN_OPTIONS) + 1):
         for group in combinations(KNOWN_OPTIONS, size):
-            merged: dict = {}
-            if all(not (merged.keys() & part.keys()) and not merged.update(part) for part in group):
-                combos.append(merged)
+            fields = [key for part in group for key in part]
+            if len(fields) == len(set(fields)):
+                combos.append({key: value for part in group for key, value in part.items()})
     return combos
 
 
@@ -71,12 +71,13 @@ def dev_damage(rows: list[dict], model_id: str | None = None) -> dict[tuple[str,
     model_id = model_id or DEFAULT_MODEL_ID
     ids = CurrentIds(model_id)
     checkers: dict[str, CurrentIds] = {}
+    combos = _known_combinations()
 
     def label(r: dict) -> str:
         if r["config_id"] in FORMER_IDS:
             return FORMER_IDS[r["config_id"]]
         given = _options(r["command"])
-        for extra in _known_combinations():
+        for extra in combos:
             if extra.keys() & given.keys():
                 continue
             opts = {**given, **extra}

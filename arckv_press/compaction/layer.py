@@ -234,21 +234,19 @@ def compact_layer(
 
     if Q.shape[1] % group_size:
         raise ValueError(f"Q has {Q.shape[1]} rows, not a multiple of group_size={group_size}")
+    if scores is not None and tuple(scores.shape) != tuple(K.shape[:2]):
+        raise ValueError(f"scores must have shape {tuple(K.shape[:2])} (heads x positions), got {tuple(scores.shape)}")
+
+    def own_scores() -> torch.Tensor:  # the OMP search reads them only for heads whose budget exceeds its rows
+        return anchor_scores(method, Q, K, V, scaling, X, indexer, layer_idx) if scores is None else scores
+
     with watch("selection"):
         if method.anchor_search != "scores":  # AM's search on the rows the fits use (the budget rows)
             rows = Q if fit_positions is None else Q[:, grouped_rows(fit_positions, Q.shape[1] // group_size,
                                                                        group_size).to(Q.device)]
-            def own_scores():
-                return anchor_scores(method, Q, K, V, scaling, X, indexer, layer_idx) if scores is None else scores
-
             idx, valid = omp_anchors(rows, K, budgets, scaling, method.anchor_search, own_scores)
         else:
-            if scores is None:
-                scores = anchor_scores(method, Q, K, V, scaling, X, indexer, layer_idx)
-            elif tuple(scores.shape) != tuple(K.shape[:2]):
-                raise ValueError(f"scores must have shape {tuple(K.shape[:2])} (heads x positions), "
-                                 f"got {tuple(scores.shape)}")
-            idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
+            idx, valid = chunked_topk_anchors(own_scores(), budgets, method.chunk_len, method.chunk_min_length)
         idx, valid = _prefix_order(idx, valid)
     if fit_positions is not None:
         with watch("fit_rows"):
