@@ -12,6 +12,7 @@ from arckv_press.compaction.fit import (
     GramSum,
     attention_mass_error,
     compact_attention,
+    compact_logits,
     fit_beta,
     fit_values,
     full_attention,
@@ -404,6 +405,38 @@ def test_fixed_slots_bad_inputs():
         fit_values(Q, K, V, C, beta, 0.4, valid=valid, fixed=fixed)
     with pytest.raises(ValueError, match="fixed_values must have shape"):
         fit_values(Q, K, V, C, beta, 0.4, valid=valid, fixed=fixed, fixed_values=V[:, :3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fits_from_shared_logits_equal_the_fits_that_multiply_their_own(dtype):
+    """compact_logits computed once give the same beta and C_v as each fit's own products, with fixed
+    slots, padding, row targets and several row blocks (the layer pipeline shares them)."""
+    Q, K, V, C, valid, fixed = (x.to(dtype) if x.is_floating_point() else x for x in _fixed_problem())
+    cfg = FitConfig(block_rows=16)                                   # 60 rows: 4 blocks, the last short
+    Lk = 0.4 * Q.double() @ K.double().transpose(1, 2)
+    targets = (Lk.amax(-1).to(dtype), torch.logsumexp(Lk, -1).to(dtype))
+    logits = compact_logits(Q, C, 0.4, cfg.block_rows)
+    assert [tuple(x.shape) for x in logits] == [(2, 16, 8)] * 3 + [(2, 12, 8)]
+    b0, w0 = fit_beta(Q, K, C, 0.4, valid, cfg, targets=targets, fixed=fixed)
+    b1, w1 = fit_beta(Q, K, C, 0.4, valid, cfg, targets=targets, fixed=fixed, logits=logits)
+    torch.testing.assert_close(b1, b0, rtol=0, atol=0)
+    torch.testing.assert_close(w1, w0, rtol=0, atol=0)
+    c0 = fit_values(Q, K, V, C, b0, 0.4, valid, cfg, fixed=fixed, fixed_values=V[:, :8])
+    c1 = fit_values(Q, K, V, C, b0, 0.4, valid, cfg, fixed=fixed, fixed_values=V[:, :8], logits=logits)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5                  # baddbmm vs matmul + add: rounding only
+    torch.testing.assert_close(c1, c0, rtol=tol, atol=tol)
+
+
+def test_shared_logits_of_other_rows_or_blocks_are_refused():
+    Q, K, V, C, valid, _ = _fixed_problem()
+    cfg = FitConfig(block_rows=16)
+    with pytest.raises(ValueError, match="logits are not the 4 blocks of 16 rows"):
+        fit_beta(Q, K, C, 0.4, valid, cfg, logits=compact_logits(Q, C, 0.4, 32))
+    with pytest.raises(ValueError, match="logits are not"):
+        fit_values(Q, K, V, C, torch.zeros(2, 8, dtype=Q.dtype), 0.4, valid, cfg,
+                   logits=compact_logits(Q[:, :50], C, 0.4, 16))
+    with pytest.raises(TypeError, match="list of compact_logits"):
+        fit_beta(Q, K, C, 0.4, valid, cfg, logits=torch.zeros(2, 60, 8))
 
 
 @pytest.mark.parametrize("lam", [0.25, 0.0])

@@ -376,10 +376,34 @@ class GramSum:
         return self.A.tril() + self.A.tril(-1).transpose(1, 2)
 
 
+def compact_logits(Q: torch.Tensor, C_k: torch.Tensor, scaling: float, block_rows: int = 256) -> list[torch.Tensor]:
+    """The logits ``scaling * Q_b C_k^T`` ``[H, b, t]`` of each row block of ``block_rows`` (compute
+    dtype), shared by :func:`fit_beta` (Phi_C of Eq. (mass_fit)) and :func:`fit_values` (P_hat of
+    Eq. (value_lstsq)) so that the second fit does not multiply them again."""
+    check_float(Q, "Q", 3)
+    _check_compact(C_k, "C_k", Q.shape[0], Q.shape[2], Q.device)
+    scaling = check_scaling(scaling)
+    check_positive_int(block_rows, "block_rows")
+    cd = compute_dtype(Q, C_k)
+    Ct = C_k.to(cd).transpose(1, 2)
+    return [(Q[:, lo:hi].to(cd) * scaling) @ Ct for lo, hi in row_blocks(Q.shape[1], block_rows)]
+
+
+def _check_logits(logits, Q: torch.Tensor, C_k: torch.Tensor, block_rows: int) -> None:
+    """``logits`` must be :func:`compact_logits` of these ``Q``, ``C_k`` and ``block_rows``."""
+    if not isinstance(logits, list):
+        raise TypeError(f"logits must be the list of compact_logits, got {type(logits).__name__}")
+    shapes = [(Q.shape[0], hi - lo, C_k.shape[1]) for lo, hi in row_blocks(Q.shape[1], block_rows)]
+    got = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in logits]
+    if got != shapes:
+        raise ValueError(f"logits are not the {len(shapes)} blocks of {block_rows} rows of Q against C_k "
+                         f"(blocks {shapes[:2]}...), got {got[:2]}... ({len(got)} blocks)")
+
+
 def _mass_normal_equations(
     Q: torch.Tensor, K: torch.Tensor, C_k: torch.Tensor, scaling: float, valid: torch.Tensor, block_rows: int,
     targets: tuple[torch.Tensor, torch.Tensor] | None = None, gram_dtype: torch.dtype = torch.float64,
-    free: _FreeSlots | None = None,
+    free: _FreeSlots | None = None, logits: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate A = Phi_C^T Phi_C and b = Phi_C^T Phi_K 1 per head (float64).
 
@@ -387,7 +411,7 @@ def _mass_normal_equations(
     Eq. (mass_fit)). ``targets = (z, lse)`` ``[H, n]`` (the row maxima and log-sum-exps of the
     full-cache logits, :mod:`.stats`) replace the pass over K: Phi_K 1 = exp(lse - z).
     ``free``: only the free columns enter A and b, and the fixed slots' mass (weight 1) is taken
-    off the target: b = Phi_F^T (Phi_K 1 - Phi_U 1).
+    off the target: b = Phi_F^T (Phi_K 1 - Phi_U 1). ``logits``: :func:`compact_logits` of the rows.
     """
     cd = compute_dtype(Q, K, C_k)
     Kt, Ct = K.to(cd).transpose(1, 2), C_k.to(cd).transpose(1, 2)
@@ -397,7 +421,7 @@ def _mass_normal_equations(
     b = torch.zeros(H, t, dtype=torch.float64, device=K.device)
     hidden = hidden_slots(valid)
     fixed = None if free is None else free.fixed.to(torch.float64)[..., None]
-    for lo, hi in row_blocks(Q.shape[1], block_rows):
+    for bi, (lo, hi) in enumerate(row_blocks(Q.shape[1], block_rows)):
         Qb = Q[:, lo:hi].to(cd) * scaling
         if targets is None:
             Lk = Qb @ Kt
@@ -406,7 +430,7 @@ def _mass_normal_equations(
         else:
             z = targets[0][:, lo:hi, None].to(cd)
             zf = torch.exp(targets[1][:, lo:hi].double() - targets[0][:, lo:hi].double())
-        phi_c = torch.exp(Qb @ Ct - z)                                          # Phi_C, [H, b, t]
+        phi_c = torch.exp((Qb @ Ct if logits is None else logits[bi]) - z)     # Phi_C, [H, b, t]
         if hidden is not None:
             phi_c.masked_fill_(hidden, 0.0)
         if free is not None:
@@ -436,6 +460,7 @@ def fit_beta(
     config: FitConfig = FitConfig(),
     targets: tuple[torch.Tensor, torch.Tensor] | None = None,
     fixed: torch.Tensor | None = None,
+    logits: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention-mass bias (paper Eq. (mass_fit)).
 
@@ -451,6 +476,9 @@ def fit_beta(
     ``fixed`` ``[H, t]`` bool: valid slots that keep w = 1 (beta = 0); only the others are fitted,
     to the mass the fixed ones leave, w~_F = argmin ||Phi_F w_F - (Phi_K 1 - Phi_U 1)||.
 
+    ``logits``: :func:`compact_logits` ``(Q, C_k, scaling, config.block_rows)``, computed once for
+    this fit and :func:`fit_values`.
+
     Returns ``beta`` ``[H, t]`` (dtype of K) and ``w*`` ``[H, t]`` float32. Invalid slots
     get beta = 0 and w = 0; callers must pass ``valid`` downstream.
     """
@@ -464,9 +492,11 @@ def fit_beta(
         raise TypeError(f"config must be a FitConfig, got {type(config).__name__}")
     if targets is not None:
         _check_row_targets(targets, Q.shape[:2])
+    if logits is not None:
+        _check_logits(logits, Q, C_k, config.block_rows)
     free = None if fixed is None else _FreeSlots.of(valid, fixed)
     A, b = _mass_normal_equations(Q, K, C_k, scaling, valid, config.block_rows, targets,
-                                  _gram_dtype(config, compute_dtype(Q, K, C_k)), free)
+                                  _gram_dtype(config, compute_dtype(Q, K, C_k)), free, logits)
     solve_valid = valid if free is None else free.valid
     ridge = config.mass_ridge * _mean_diag(A, solve_valid)
     if config.mass_solver == "ls_clamp":
@@ -491,10 +521,12 @@ def fit_beta(
 
 
 def _compact_probs(
-    Qb: torch.Tensor, Ct: torch.Tensor, beta: torch.Tensor, hidden: torch.Tensor | None
+    Qb: torch.Tensor, Ct: torch.Tensor, beta: torch.Tensor, hidden: torch.Tensor | None,
+    logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(Qb C_k^T + beta) over the slots not ``hidden`` (:func:`hidden_slots`); ``Qb`` already scaled."""
-    logits = torch.baddbmm(beta[:, None, :], Qb, Ct)
+    """softmax(Qb C_k^T + beta) over the slots not ``hidden`` (:func:`hidden_slots`); ``Qb`` already scaled;
+    ``logits``: ``Qb C_k^T`` when already computed."""
+    logits = torch.baddbmm(beta[:, None, :], Qb, Ct) if logits is None else logits + beta[:, None, :]
     if hidden is not None:
         logits.masked_fill_(hidden, -torch.inf)
     return torch.softmax(logits, dim=-1)
@@ -585,6 +617,7 @@ def fit_values(
     Y: torch.Tensor | None = None,
     fixed: torch.Tensor | None = None,
     fixed_values: torch.Tensor | None = None,
+    logits: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Compact values C_v ``[H, t, Dv]`` (dtype of K), paper Eq. (value_lstsq).
 
@@ -603,6 +636,8 @@ def fit_values(
     ``fixed`` ``[H, t]`` bool with ``fixed_values`` ``[H, t, Dv]``: valid slots whose values are
     given; only the others are fitted, to what the fixed ones leave:
     C_F = argmin ||P_F C - (Y - P_U fixed_values_U)||_F^2 + lambda ||C||_F^2 (P over every slot).
+
+    ``logits``: :func:`compact_logits` ``(Q, C_k, scaling, config.block_rows)`` (as for :func:`fit_beta`).
     """
     check_qk(Q, K)
     check_values(V, K)
@@ -637,6 +672,8 @@ def fit_values(
         if tuple(fixed_values.shape) != (H, t, V.shape[-1]):
             raise ValueError(f"fixed_values must have shape {(H, t, V.shape[-1])}, got {tuple(fixed_values.shape)}")
         free = _FreeSlots.of(valid, fixed)
+    if logits is not None:
+        _check_logits(logits, Q, C_k, config.block_rows)
     cd = compute_dtype(Q, K, V, C_k, beta)
     Kt, Vc = K.to(cd).transpose(1, 2), V.to(cd)
     Ct, bc = C_k.to(cd).transpose(1, 2), beta.to(cd)
@@ -647,10 +684,10 @@ def fit_values(
     R = torch.zeros(H, t_s, V.shape[-1], dtype=gd, device=K.device)
     if free is not None:
         C_fixed = fixed_values.to(cd).masked_fill(~free.fixed[..., None], 0.0)
-    for lo, hi in row_blocks(Q.shape[1], config.block_rows):
+    for bi, (lo, hi) in enumerate(row_blocks(Q.shape[1], config.block_rows)):
         Qb = Q[:, lo:hi].to(cd) * scaling
         Yb = torch.softmax(Qb @ Kt, dim=-1) @ Vc if Y is None else Y[:, lo:hi]
-        P = _compact_probs(Qb, Ct, bc, hidden)
+        P = _compact_probs(Qb, Ct, bc, hidden, None if logits is None else logits[bi].to(cd))
         if free is not None:
             Yb = Yb.to(cd) - P @ C_fixed                                 # what the fixed slots leave
             P = free.columns(P)
@@ -726,6 +763,7 @@ __all__ = [
     "FitConfig",
     "spd_solve",
     "GramSum",
+    "compact_logits",
     "fit_beta",
     "fit_values",
     "full_attention",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from arckv_press.compaction.fit import FitConfig, fit_beta, fit_values
+from arckv_press.compaction.fit import FitConfig, compact_logits, fit_beta, fit_values
 from arckv_press.compaction.merge import assign_to_anchors, check_anchors, merge_keys
 from arckv_press.compaction.omp import AM_OMP, AM_OMP_FAST, am_compact, omp_select
 from arckv_press.compaction.reference import grouped_rows
@@ -359,8 +359,9 @@ def _compact_head(
     fixed = None
     if method.fit_scope == "merged":  # anchors that absorbed no other position keep their own term
         fixed = torch.stack([torch.bincount(a, minlength=idx.shape[1]) for a in assignment]) == 1
-    with watch("beta_fit"):
-        beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit, targets=targets, fixed=fixed)
+    with watch("beta_fit"):  # the logits of the fit rows against C_k serve both fits
+        logits = compact_logits(Q, C_k, scaling, method.fit.block_rows)
+        beta, w = fit_beta(Q, K, C_k, scaling, valid, method.fit, targets=targets, fixed=fixed, logits=logits)
     with watch("value_fit"):
         V_S = None  # the anchors' own values, gathered only when used
         if method.fit.values == "anchor" or method.fit.value_prior == "anchor" or fixed is not None:
@@ -370,5 +371,5 @@ def _compact_head(
         else:
             prior = V_S if method.fit.value_prior == "anchor" else None
             C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=prior, Y=Y,
-                             fixed=fixed, fixed_values=None if fixed is None else V_S)
+                             fixed=fixed, fixed_values=None if fixed is None else V_S, logits=logits)
     return C_k, beta, C_v, w

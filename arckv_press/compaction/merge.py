@@ -17,7 +17,7 @@ all-zero profile for keys far below the head's maximum logit. Instead
   -z_merge), and the centroid weights are exp(log phi_j - max_{j' in G_r} log phi_j'), so
   every group has a weight of exactly 1 at its heaviest key and mu_r is always defined.
 
-Memory per call: ``[H, n, t]`` anchor profiles plus one ``[H, n, block]`` logits block and
+Memory per call: ``[H, t, n]`` anchor profiles plus one ``[H, block, n]`` logits block and
 one ``[H, block, t]`` similarity block; positions are processed in blocks of ``block``.
 """
 
@@ -83,15 +83,16 @@ def check_anchor_inputs(
 
 
 def _response_profiles(Qs: torch.Tensor, Kb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalised profiles u ``[H, n, b]`` and log phi ``[H, b]`` (up to -z_merge).
+    """Normalised profiles u ``[H, b, n]`` (one row per key) and log phi ``[H, b]`` (up to -z_merge).
 
-    ``Qs`` already carries the softmax scale, so ``Qs @ Kb^T`` are the logits l_ij.
+    ``Qs`` already carries the softmax scale, so ``Kb @ Qs^T`` are the logits l_ij, transposed: every
+    reduction over the rows i runs along the contiguous last axis.
     """
-    L = Qs @ Kb.transpose(1, 2)                    # [H, n, b]
-    m = L.amax(dim=1, keepdim=True)                 # per-key max over rows
-    E = L.sub_(m).exp_()                            # in place: no [H, n, b] temporaries
-    log_phi = m.squeeze(1) + torch.log(E.mean(dim=1))
-    U = E.div_(E.norm(dim=1, keepdim=True))         # norm >= 1: max entry is exactly 1
+    L = Kb @ Qs.transpose(1, 2)                     # [H, b, n]
+    m = L.amax(dim=-1, keepdim=True)                # per-key max over rows
+    E = L.sub_(m).exp_()                            # in place: no [H, b, n] temporaries
+    log_phi = m.squeeze(-1) + torch.log(E.mean(dim=-1))
+    U = E.div_(torch.linalg.vector_norm(E, dim=-1, keepdim=True))   # norm >= 1: max entry is exactly 1
     return U, log_phi
 
 
@@ -105,7 +106,8 @@ def _assign_and_log_phi(
     Kc = K.to(cd)
     safe = torch.where(valid, anchors.long(), torch.zeros_like(anchors, dtype=torch.long))
     K_S = torch.gather(Kc, 1, safe[..., None].expand(H, t, D))
-    U_S, log_phi_S = _response_profiles(Qs, K_S)   # [H, n, t], [H, t]
+    U_S, log_phi_S = _response_profiles(Qs, K_S)   # [H, t, n], [H, t]
+    U_S = U_S.transpose(1, 2)                        # [H, n, t]
     tie_tol = _TIE_ULPS * torch.finfo(cd).eps
     # only the other positions are compared with the anchors: an anchor is its own group
     slots = torch.arange(t, device=K.device).expand(H, t)
@@ -119,12 +121,12 @@ def _assign_and_log_phi(
     for start in range(0, n_other, block):
         pos = others[:, start:start + block]
         U_b, log_phi_b = _response_profiles(Qs, Kc.gather(1, pos[..., None].expand(-1, -1, D)))
-        sim = U_b.transpose(1, 2) @ U_S             # [H, b, t] cosine similarities in [0, 1]
+        sim = U_b @ U_S                              # [H, b, t] cosine similarities in [0, 1]
         if hidden is not None:
             sim.masked_fill_(hidden, -1.0)
         best = sim.amax(dim=-1, keepdim=True)
-        is_max = sim >= best - tie_tol               # robust ties -> lowest slot r
-        assignment.scatter_(1, pos, is_max.to(torch.int8).argmax(dim=-1))
+        is_max = sim >= best - tie_tol               # robust ties -> lowest slot r (first True)
+        assignment.scatter_(1, pos, is_max.view(torch.uint8).argmax(dim=-1))
         log_phi.scatter_(1, pos, log_phi_b)
     # anchors are assigned to their own slot (paper Eq. (anchor_assignment), kappa(s_r) = r)
     assignment.scatter_(1, target, slots)
