@@ -437,6 +437,8 @@ def test_shared_logits_of_other_rows_or_blocks_are_refused():
                    logits=compact_logits(Q[:, :50], C, 0.4, 16))
     with pytest.raises(TypeError, match="list of compact_logits"):
         fit_beta(Q, K, C, 0.4, valid, cfg, logits=torch.zeros(2, 60, 8))
+    with pytest.raises(ValueError, match=r"logits are \['torch.float32'\] but this fit computes in torch.float64"):
+        fit_beta(Q, K, C, 0.4, valid, cfg, logits=compact_logits(Q.float(), C.float(), 0.4, 16))
 
 
 @pytest.mark.parametrize("lam", [0.25, 0.0])

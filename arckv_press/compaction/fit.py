@@ -389,8 +389,9 @@ def compact_logits(Q: torch.Tensor, C_k: torch.Tensor, scaling: float, block_row
     return [(Q[:, lo:hi].to(cd) * scaling) @ Ct for lo, hi in row_blocks(Q.shape[1], block_rows)]
 
 
-def _check_logits(logits, Q: torch.Tensor, C_k: torch.Tensor, block_rows: int) -> None:
-    """``logits`` must be :func:`compact_logits` of these ``Q``, ``C_k`` and ``block_rows``."""
+def _check_logits(logits, Q: torch.Tensor, C_k: torch.Tensor, block_rows: int, dtype: torch.dtype) -> None:
+    """``logits`` must be :func:`compact_logits` of these ``Q``, ``C_k`` and ``block_rows``, in the
+    fit's compute ``dtype``."""
     if not isinstance(logits, list):
         raise TypeError(f"logits must be the list of compact_logits, got {type(logits).__name__}")
     shapes = [(Q.shape[0], hi - lo, C_k.shape[1]) for lo, hi in row_blocks(Q.shape[1], block_rows)]
@@ -398,6 +399,9 @@ def _check_logits(logits, Q: torch.Tensor, C_k: torch.Tensor, block_rows: int) -
     if got != shapes:
         raise ValueError(f"logits are not the {len(shapes)} blocks of {block_rows} rows of Q against C_k "
                          f"(blocks {shapes[:2]}...), got {got[:2]}... ({len(got)} blocks)")
+    wrong = {x.dtype for x in logits} - {dtype}
+    if wrong:
+        raise ValueError(f"logits are {sorted(map(str, wrong))} but this fit computes in {dtype}")
 
 
 def _mass_normal_equations(
@@ -493,7 +497,7 @@ def fit_beta(
     if targets is not None:
         _check_row_targets(targets, Q.shape[:2])
     if logits is not None:
-        _check_logits(logits, Q, C_k, config.block_rows)
+        _check_logits(logits, Q, C_k, config.block_rows, compute_dtype(Q, K, C_k))
     free = None if fixed is None else _FreeSlots.of(valid, fixed)
     A, b = _mass_normal_equations(Q, K, C_k, scaling, valid, config.block_rows, targets,
                                   _gram_dtype(config, compute_dtype(Q, K, C_k)), free, logits)
@@ -672,9 +676,9 @@ def fit_values(
         if tuple(fixed_values.shape) != (H, t, V.shape[-1]):
             raise ValueError(f"fixed_values must have shape {(H, t, V.shape[-1])}, got {tuple(fixed_values.shape)}")
         free = _FreeSlots.of(valid, fixed)
-    if logits is not None:
-        _check_logits(logits, Q, C_k, config.block_rows)
     cd = compute_dtype(Q, K, V, C_k, beta)
+    if logits is not None:
+        _check_logits(logits, Q, C_k, config.block_rows, cd)
     Kt, Vc = K.to(cd).transpose(1, 2), V.to(cd)
     Ct, bc = C_k.to(cd).transpose(1, 2), beta.to(cd)
     hidden = hidden_slots(valid)
@@ -687,7 +691,7 @@ def fit_values(
     for bi, (lo, hi) in enumerate(row_blocks(Q.shape[1], config.block_rows)):
         Qb = Q[:, lo:hi].to(cd) * scaling
         Yb = torch.softmax(Qb @ Kt, dim=-1) @ Vc if Y is None else Y[:, lo:hi]
-        P = _compact_probs(Qb, Ct, bc, hidden, None if logits is None else logits[bi].to(cd))
+        P = _compact_probs(Qb, Ct, bc, hidden, None if logits is None else logits[bi])
         if free is not None:
             Yb = Yb.to(cd) - P @ C_fixed                                 # what the fixed slots leave
             P = free.columns(P)
