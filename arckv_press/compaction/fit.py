@@ -3,9 +3,11 @@ Value Fitting", Eqs. (mass_fit), (value_lstsq)) and the attention operators
 (paper Eqs. (full_attention), (compact_attention)).
 
 All row-wise quantities are computed blockwise over query rows (``block_rows``): only the
-normal equations ``[H, t, t]`` / ``[H, t, D]`` are accumulated, in float64, and solved with a
-batched Cholesky factorisation (never LU: batched float64 ``torch.linalg.solve`` can hang on
-this CPU build). Logits/exponentials are computed in float32 (float64 for float64 inputs).
+normal equations ``[H, t, t]`` / ``[H, t, D]`` are accumulated (in ``FitConfig.gram_dtype``) and
+solved in float64 with a batched Cholesky factorisation (never LU: batched float64
+``torch.linalg.solve`` can hang on this CPU build). The one exception is :func:`compact_logits`,
+which a caller running both fits holds for all rows, ``[H, n, t]``, so the second fit does not
+multiply them again. Logits/exponentials are computed in float32 (float64 for float64 inputs).
 Results are returned in the dtype of ``K`` except the diagnostic mass weights ``w``
 (float32, so that ``w <= 0`` is exact for dead-anchor counts).
 
