@@ -170,14 +170,17 @@ class CurrentIds:
         return is_current(row, self(row["method"], float(row.get("ratio") or 1.0)))
 
 
-def current_rows(rows: list[dict], model_id: str) -> list[dict]:
+def current_rows(rows: list[dict], model_id: str, config_options: dict | None = None,
+                 indexer: str | None = None) -> list[dict]:
     """Rows made with the indexer checkpoint and compaction options each method now uses for
     ``model_id`` at the row's kept fraction (columns ``indexer`` and ``config_id``,
-    :class:`CurrentIds`; kvpress methods: every row)."""
-    ids = CurrentIds(model_id)
+    :class:`CurrentIds`; kvpress methods: every row), or with the scripts' ``--option`` fields
+    ``config_options`` and ``--indexer`` checkpoint ``indexer`` when given."""
+    ids = CurrentIds(model_id, config_options, indexer)
     kept = [r for r in rows if ids.matches(r)]
     if len(kept) < len(rows):
-        print(f"({len(rows) - len(kept)} rows made with another indexer checkpoint or other compaction defaults are left out)")
+        what = "other compaction defaults" if not config_options else f"other compaction options than {config_options}"
+        print(f"({len(rows) - len(kept)} rows made with another indexer checkpoint or {what} are left out)")
     return kept
 
 

@@ -75,3 +75,35 @@ def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys
     sel = {n: sec[(n, "selection")] + sec[(n, "reference_stats")] for n in ("arckv", "arckv-ha")}
     assert_ratio_of_rounded(float(line.split("HA selection ")[1].split()[0]), sel["arckv"], sel["arckv-ha"],
                             csv_decimals=4, num_terms=2, den_terms=2)
+
+
+def test_the_run_summarised_is_the_last_one_with_the_asked_arckv_options():
+    """A default run written after an ``--option`` run (or before it): ``--summary`` with the option
+    finds the option run, without it the default run, although the Attention Matching rows of both
+    carry the same ids."""
+    mod = load_script("bench_compaction")
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.runinfo import CurrentIds
+
+    default, option = CurrentIds(DEFAULT_MODEL_ID), CurrentIds(DEFAULT_MODEL_ID, {"merge_rows": 256})
+    assert default("am-omp", 0.1) == option("am-omp", 0.1) and default("arckv-ha", 0.1) != option("arckv-ha", 0.1)
+
+    def run(date, ids, arckv_seconds):
+        rows = [{"section": "model", "method": "none", "ratio": "1", "length": "4000", "stage": "prefill",
+                 "seconds": "20", "threads": "1", "date": date, "command": f"run {date}", "machine": "m"}]
+        for method, stage, sec in (("arckv-ha", "merge", arckv_seconds), ("am-omp", "am_total", 100.0)):
+            rows.append({"section": "model", "method": method, "ratio": "0.1", "length": "4000", "stage": stage,
+                         "seconds": str(sec), "threads": "1", "date": date, "command": f"run {date}", "machine": "m",
+                         **ids(method, 0.1)})
+        return rows
+
+    for order in ((("a", option, 1.0), ("b", default, 2.0)), (("a", default, 2.0), ("b", option, 1.0))):
+        rows = [r for date, ids, sec in order for r in run(date, ids, sec)]
+        for ids, merge in ((option, 1.0), (default, 2.0)):
+            info, results = mod.last_model_run(rows, ids)
+            assert results[("arckv-ha", 0.1, 4000)] == {"merge": merge}      # that run's ARC-KV row ...
+            assert results[("am-omp", 0.1, 4000)] == {"am_total": 100.0}     # ... with its own AM rows
+            assert info["command"] == next(f"run {d}" for d, i, _ in order if i is ids)
+    # Attention Matching alone (no ARC-KV method asked for): the last run with its rows
+    info, results = mod.last_model_run(rows, default, methods=["am-omp"])
+    assert info["command"] == "run b" and set(results) == {("none", 1.0, 4000), ("am-omp", 0.1, 4000)}

@@ -148,3 +148,43 @@ def test_tiny_run_resumes_is_deterministic_and_draws_one_panel_per_method(tiny_m
     again = needle.read_rows(second)
     assert [(r["method"], r["ratio"], r["depth"], r["answer"], r["cache_bytes"]) for r in again] == [
         (r["method"], r["ratio"], r["depth"], r["answer"], r["cache_bytes"]) for r in rows]
+
+
+def test_a_run_with_options_draws_and_summarises_its_own_rows_beside_the_defaults(tmp_path, monkeypatch, capsys):
+    """``--option``: the figures and the summary show the rows of that option's config id (not the
+    defaults', and no crash when only option rows are stored), and figures are named after the CSV,
+    so an option run never overwrites the default grid's figures."""
+    import matplotlib.figure
+
+    needle = load_script("needle")
+    opts = {"merge_rows": 256}
+    cfg_ha, cfg_opt = method_config_id("arckv-ha", 0.1), CurrentIds(DEFAULT_MODEL_ID, opts)("arckv-ha", 0.1)["config_id"]
+    assert cfg_opt != cfg_ha
+
+    def row(config, correct, depth):
+        return {"method": "arckv-ha", "ratio": "0.1", "length": "1000", "depth": depth, "seed": "0",
+                "context_tokens": "990", "needle": "1234567", "answer": "x", "correct": correct, "compaction_s": "1.0",
+                "answer_s": "1.0", "cache_bytes": "10", "masked": "0", "indexer": "", "config_id": config,
+                "model": DEFAULT_MODEL_ID, "command": "c", "date": "2026-01-01T00:00:00Z", "package_version": "0",
+                "machine": "m"}
+
+    drawn = {}
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path, **kw: drawn.__setitem__(path.name, [t.get_text() for a in fig.axes
+                                                                              for t in a.texts]))
+    only_option = tmp_path / "needle_options.csv"
+    needle.append_rows(only_option, [row(cfg_opt, 1, "0"), row(cfg_opt, 0, "1")], needle.FIELDS)
+    assert needle.plot(only_option, tmp_path) == []          # no default rows: nothing drawn, no error
+    assert "nothing to plot" in capsys.readouterr().out
+    assert [p.name for p in needle.plot(only_option, tmp_path, opts)] == ["needle_options_rho0.1.png"]
+    assert drawn == {"needle_options_rho0.1.png": ["1", "0"]}   # depth 0 found, depth 1 missed
+    mixed = tmp_path / "needle.csv"
+    needle.append_rows(mixed, [row(cfg_ha, 0, "0"), row(cfg_ha, 0, "1"), row(cfg_opt, 1, "0"), row(cfg_opt, 1, "1")],
+                       needle.FIELDS)
+    capsys.readouterr()
+    needle.summary(mixed, opts)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("arckv-ha "))
+    assert line.split()[3:5] == ["2", "1.00"]                  # the two option rows, both correct
+    needle.summary(mixed)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("arckv-ha "))
+    assert line.split()[3:5] == ["2", "0.00"]                  # the two default rows

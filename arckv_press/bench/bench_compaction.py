@@ -481,7 +481,10 @@ def last_model_run(rows: list[dict], ids: CurrentIds | None = None, methods=None
     with the ids each method uses now (``ids``; default: today's defaults for the default model),
     restricted to ``methods`` and ``lengths`` when given: ``(run, results)`` with ``run`` its
     ``date``, ``command`` and ``machine`` and ``results[(method, ratio, length)] = {stage: seconds}``.
-    An interrupted run counts."""
+    An interrupted run counts. The run is the last one with such an ARC-KV row when there is one:
+    the Attention Matching and kvpress rows of a run with other ARC-KV options (``--option``) carry
+    the same ids as a default run's, so they alone do not make it the run asked for."""
+    from arckv_press.methods import method as lookup_method
     from arckv_press.models import DEFAULT_MODEL_ID
 
     ids = ids or CurrentIds(DEFAULT_MODEL_ID)
@@ -490,7 +493,8 @@ def last_model_run(rows: list[dict], ids: CurrentIds | None = None, methods=None
             and (r["method"] == "none" or ((methods is None or r["method"] in methods) and ids.matches(r)))]
     if not rows:
         raise ValueError("no model-section rows for these methods and lengths with the current options")
-    last = rows[-1]
+    ours = [r for r in rows if r["method"] != "none" and lookup_method(r["method"]).family == "arckv"]
+    last = (ours or rows)[-1]
     results: dict[tuple, dict[str, float]] = {}
     for r in rows:
         if (r["date"], r["command"]) == (last["date"], last["command"]):

@@ -19,8 +19,10 @@ needle at the start of the haystack, 1 at its end.
 Writes ``leaderboards/needle.csv`` (one row per method / ratio / length / depth / seed; the
 full cache, method ``none``, once per length / depth / seed with ratio 1) and one heat map per
 kept fraction, ``leaderboards/needle_rho<ratio>.png`` (one panel per method, rows = depth,
-columns = length, colour = share of seeds answered correctly). Resumable: cases already in the
-CSV are skipped, so re-running with nothing missing only redraws the figures.
+columns = length, colour = share of seeds answered correctly; with ``--out DIR/NAME.csv``,
+``DIR/NAME_rho<ratio>.png``). The figures and the summary show the rows made with the current
+defaults, or with the run's ``--option`` fields and ``--indexer`` checkpoint. Resumable: cases
+already in the CSV are skipped, so re-running with nothing missing only redraws the figures.
 
 Columns ``compaction_s`` (seconds inside ``with press(model)``: the context prefill plus the
 method's compression; for ``none`` the plain prefill) and ``answer_s`` (question + greedy
@@ -219,8 +221,10 @@ def run(args, meta: dict) -> None:
 # ------------------------------------------------------------------------------------ plots
 
 
-def plot(csv_path: Path, out_dir: Path) -> list[Path]:
-    """One heat-map figure per kept fraction (full cache shown as the first panel of each)."""
+def plot(csv_path: Path, out_dir: Path, options: dict | None = None, indexer: str | None = None) -> list[Path]:
+    """One heat-map figure per kept fraction (full cache shown as the first panel of each), named
+    after the CSV (``needle.csv`` -> ``needle_rho0.1.png``), of the rows made with the current
+    defaults or, when given, the ``--option`` fields ``options`` and ``--indexer`` checkpoint."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -231,7 +235,10 @@ def plot(csv_path: Path, out_dir: Path) -> list[Path]:
     if not rows:
         print(f"nothing to plot: {csv_path} has no rows")
         return []
-    rows = current_rows(rows, rows[-1]["model"])
+    rows = current_rows(rows, rows[-1]["model"], options, indexer)
+    if not rows:
+        print(f"nothing to plot: {csv_path} has no rows made with these options")
+        return []
     acc: dict[tuple, list[int]] = defaultdict(list)
     masked: set[str] = set()
     for r in rows:
@@ -278,17 +285,18 @@ def plot(csv_path: Path, out_dir: Path) -> list[Path]:
         if image is not None:
             fig.colorbar(image, ax=axes, shrink=0.8, label="exact retrieval")
         fig.suptitle(f"Needle in a haystack, kept fraction rho = {ratio:g} ({model}; grey: not run)", fontsize=10)
-        path = out_dir / f"needle_rho{ratio:g}.png"
+        path = out_dir / f"{csv_path.stem}_rho{ratio:g}.png"
         fig.savefig(path, dpi=130)
         plt.close(fig)
         written.append(path)
     return written
 
 
-def summary(csv_path: Path) -> None:
-    """Accuracy, median compaction seconds and median cache MiB per method, kept fraction and length."""
+def summary(csv_path: Path, options: dict | None = None, indexer: str | None = None) -> None:
+    """Accuracy, median compaction seconds and median cache MiB per method, kept fraction and length
+    (rows made with the current defaults, or with ``options`` / ``indexer`` as :func:`plot`)."""
     rows = read_rows(csv_path)
-    rows = current_rows(rows, rows[-1]["model"]) if rows else rows
+    rows = current_rows(rows, rows[-1]["model"], options, indexer) if rows else rows
     by: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         by[(r["method"], float(r["ratio"]), int(r["length"]))].append(r)
@@ -319,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="HF id or path (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--indexer", default=None,
                    help="indexer checkpoint dir for the methods that use one (default: the shipped one); rows record "
-                        "its id, and the summary and figures show the shipped checkpoint's rows only")
+                        "its id, and the summary and figures show that checkpoint's rows")
     add_option_argument(p)
     p.add_argument("--haystack", default=None, help="haystack text file (default: the Paul Graham essays)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -339,9 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     print_header("needle in a haystack (scripts/needle.py)", argv=None if argv is None else [sys.argv[0], *argv])
     if not args.plot_only:
         run(args, run_meta())
-    for path in plot(args.out, args.out.parent):
+    for path in plot(args.out, args.out.parent, args.options, args.indexer):
         print(f"wrote {path}")
-    summary(args.out)
+    summary(args.out, args.options, args.indexer)
     return 0
 
 
