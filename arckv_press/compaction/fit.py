@@ -498,11 +498,12 @@ def fit_beta(
         raise TypeError(f"config must be a FitConfig, got {type(config).__name__}")
     if targets is not None:
         _check_row_targets(targets, Q.shape[:2])
+    cd = compute_dtype(Q, K, C_k)
     if logits is not None:
-        _check_logits(logits, Q, C_k, config.block_rows, compute_dtype(Q, K, C_k))
+        _check_logits(logits, Q, C_k, config.block_rows, cd)
     free = None if fixed is None else _FreeSlots.of(valid, fixed)
     A, b = _mass_normal_equations(Q, K, C_k, scaling, valid, config.block_rows, targets,
-                                  _gram_dtype(config, compute_dtype(Q, K, C_k)), free, logits)
+                                  _gram_dtype(config, cd), free, logits)
     solve_valid = valid if free is None else free.valid
     ridge = config.mass_ridge * _mean_diag(A, solve_valid)
     if config.mass_solver == "ls_clamp":
