@@ -16,14 +16,16 @@ def ml():
     return load_script("make_leaderboard")
 
 
-def results_json(path: Path, model: str, model_args: str, scores: dict[str, float], date: float) -> Path:
-    """A results file shaped like lm-eval 0.4.13 ``--output_path`` output."""
+def results_json(path: Path, model: str, model_args: str, scores: dict[str, float], date: float,
+                 ruler_length: int = 2048) -> Path:
+    """A results file shaped like lm-eval 0.4.13 ``--output_path`` output (RULER tasks at ``ruler_length``
+    tokens, in their config's metadata as run_evals.py passes it)."""
     data = {
         "results": {
             t: {"alias": t, "acc,none": s, "acc_stderr,none": 0.01, "acc_norm,none": s / 2} for t, s in scores.items()
         },
         "group_subtasks": {t: [] for t in scores},
-        "configs": {},
+        "configs": {t: {"metadata": {"max_seq_lengths": [ruler_length]}} for t in scores if t in RULER_NAMES},
         "versions": {t: 1.0 for t in scores},
         "n-samples": {t: {"original": 7, "effective": 5} for t in scores},
         "config": {"model": model, "model_args": model_args, "batch_size": 1},
@@ -34,6 +36,9 @@ def results_json(path: Path, model: str, model_args: str, scores: dict[str, floa
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data))
     return path
+
+
+RULER_NAMES = {"ruler", "cwe", "vt", "niah_single_1", "fwe"}
 
 
 def records_jsonl(path: Path, press: str, ratio: float, secs: list[float], tasks: list[str]) -> Path:
@@ -599,3 +604,37 @@ def test_study_docs_without_their_markers_are_refused_unchanged(tmp_path):
     with pytest.raises(ValueError, match="must contain the lines"):
         update_study_docs(tmp_path)
     assert all((tmp_path / doc).read_text() == "no markers\n" for doc, *_ in STUDY_BLOCKS)
+
+
+def test_ruler_lengths_are_separate_benchmarks(ml, tmp_path):
+    """RULER at 4K tokens is its own benchmark (``ruler_4k``, its group row named alike), so its rows never
+    replace the 2K rows of the same method and kept fraction; the length comes from the tasks' metadata,
+    else from the per-length metrics that hold a score; a file with several lengths or none is refused."""
+    common = {"package_version": "0", "command": "c"}
+    args = "pretrained=m,press=arckv,ratio=0.1"
+    two = results_json(tmp_path / "a" / "results.json", "hf-arckv", args, {"ruler": 0.5, "cwe": 0.25}, 1.7e9)
+    four = results_json(tmp_path / "b" / "results.json", "hf-arckv", args, {"ruler": 0.125, "cwe": 0.0}, 1.8e9, 4096)
+    for path in (two, four):
+        data = json.loads(path.read_text())
+        data["group_subtasks"] = {"ruler": ["cwe"], "cwe": []}
+        path.write_text(json.dumps(data))
+    rows = ml.merge(ml.read_results(two, {}, False, common), ml.read_results(four, {}, False, common))
+    assert {(r["benchmark"], r["task"], r["score"]) for r in rows} == {
+        ("ruler", "ruler", 0.5), ("ruler", "cwe", 0.25), ("ruler_4k", "ruler_4k", 0.125), ("ruler_4k", "cwe", 0.0)}
+    assert ml.benchmark_markdown(rows, "ruler_4k", "ruler_4k").splitlines()[2] == "| `arckv` | 0.12 |"
+    assert ml.benchmark_markdown(rows, "quality", "quality") == "No rows yet."
+    assert ml.ruler_benchmark(8192) == "ruler_8k" and ml.ruler_benchmark(3000) == "ruler_3000"
+
+    data = json.loads(four.read_text())
+    data["configs"] = {}  # no metadata: the per-length metrics tell (-1 = no samples at that length)
+    data["results"]["ruler"].update({"2048,none": -1.0, "4096,none": 0.125})
+    assert ml.ruler_length(data, four) == 4096
+    data["results"]["ruler"]["2048,none"] = 0.5
+    with pytest.raises(ValueError, match=r"\[2048, 4096\] sequence lengths"):
+        ml.ruler_length(data, four)
+    for t in ("ruler", "cwe"):
+        data["results"][t] = {k: v for k, v in data["results"][t].items() if not k.split(",")[0].isdigit()}
+    four.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="no readable sequence lengths"):
+        ml.read_results(four, {}, False, common)
+    assert ml.ruler_length({"results": {"quality": {}}, "group_subtasks": {}}, four) is None

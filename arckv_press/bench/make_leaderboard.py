@@ -147,6 +147,34 @@ def benchmark_of(task: str, groups: dict[str, list[str]]) -> str:
     return task
 
 
+def ruler_length(data: dict, path: Path) -> int | None:
+    """The one sequence length of a results file's RULER tasks (``None`` without RULER tasks): the
+    tasks' ``max_seq_lengths`` metadata, else the per-length metrics (``"2048,none"``) that hold a
+    score (lm-eval's RULER writes -1 for a length without samples). A file with several lengths, or
+    none that can be told, is refused: its rows would merge with another length's."""
+    ruler = [t for t in data["results"] if benchmark_of(t, data.get("group_subtasks") or {}) == "ruler"]
+    if not ruler:
+        return None
+    configs = data.get("configs") or {}
+    lengths = {int(n) for t in ruler for n in ((configs.get(t) or {}).get("metadata") or {}).get("max_seq_lengths") or ()}
+    if not lengths:
+        lengths = {int(k.split(",", 1)[0]) for t in ruler for k, v in data["results"][t].items()
+                   if k.split(",", 1)[0].isdigit() and isinstance(v, (int, float)) and v >= 0}
+    if len(lengths) != 1:
+        raise ValueError(f"{path}: RULER results at {'no readable' if not lengths else sorted(lengths)} sequence "
+                         "lengths; run_evals.py runs one length per folder (--ruler-length)")
+    return lengths.pop()
+
+
+def ruler_benchmark(length: int) -> str:
+    """The leaderboard's benchmark name for RULER at ``length`` tokens: ``ruler`` at 2048 (the
+    leaderboard's RULER), else ``ruler_4k`` (multiples of 1024) or ``ruler_<length>``, so rows of two
+    lengths never share a key."""
+    if length == 2048:
+        return "ruler"
+    return f"ruler_{length // 1024}k" if length % 1024 == 0 else f"ruler_{length}"
+
+
 def pick_metric(values: dict[str, Any]) -> tuple[str, float] | None:
     """The main ``metric,filter`` of a task's results (priority list, else the first numeric one)."""
     numeric = {
@@ -244,6 +272,7 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
     folder = path.parent.resolve()
     recs = [r for r in recs if r.get("_dir") == folder] or recs
     samples = read_sample_scores(path.parent / "sample_scores.json")
+    length = ruler_length(data, path)
     rows = []
     for task, values in sorted(data["results"].items()):
         picked = pick_metric(values)
@@ -254,8 +283,12 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
         per_example = {f"{t}/{doc}": s[name] for t in (groups.get(task) or [task]) for doc, s in samples.get(t, {}).items()
                        if name in s}
         n = n_samples.get(task, {})
+        benchmark, row_task = benchmark_of(task, groups), task
+        if benchmark == "ruler":  # one benchmark per length; its group row is named after it, as every group's
+            benchmark = ruler_benchmark(length)
+            row_task = benchmark if task == "ruler" else task
         row = {
-            "model": model, "benchmark": benchmark_of(task, groups), "task": task, "method": method,
+            "model": model, "benchmark": benchmark, "task": row_task, "method": method,
             "ratio": ratio, "score": score, "metric": metric,
             "n_examples": n.get("effective", n.get("original", "")) if isinstance(n, dict) else n,
             "model_args": config.get("model_args") if isinstance(config.get("model_args"), str)
@@ -591,6 +624,7 @@ RESULT_TABLES = (
     ("needle", "needle", "needle", "needles found (five depths per length; the total is the method's number of cases)"),
     ("fidelity", "fidelity", "continuation", "continuation fidelity, 1 - damage (mean over documents)"),
     ("ruler", "ruler", "ruler", "RULER at 2K tokens (13 tasks)"),
+    ("ruler-4k", "ruler_4k", "ruler_4k", "RULER at 4K tokens (13 tasks)"),
     ("quality", "quality", "quality", "QuALITY accuracy"),
     ("longbench-multifieldqa", "longbench", "longbench_multifieldqa_zh", "LongBench MultiFieldQA-zh"),
     ("longbench-passage-retrieval", "longbench", "longbench_passage_retrieval_zh", "LongBench PassageRetrieval-zh"),
@@ -614,12 +648,15 @@ def _with_interval(r: dict | None, kind: str) -> str:
 def benchmark_markdown(rows: list[dict], benchmark: str, task: str) -> str:
     """One benchmark's table: a row per method (registry order, then the references), a column per
     kept fraction present, each cell the leaderboard's value (needles as found/total) with its 95%
-    bootstrap interval over examples when the row stores them; ``-`` where a method has no row."""
+    bootstrap interval over examples when the row stores them; ``-`` where a method has no row;
+    ``No rows yet.`` for a benchmark with none."""
     from arckv_press.methods import METHOD_NAMES
 
     kind = "needle" if benchmark == "needle" else "score"
     cells = {(r["method"], fmt_ratio(r["ratio"])): r for r in rows
              if r["benchmark"] == benchmark and r["task"] == task and r["ratio"] not in ("", None)}
+    if not cells:
+        return "No rows yet."
     ratios = sorted({ratio for (m, ratio) in cells if m not in REFERENCE_METHODS}, key=float, reverse=True)
     head = ["method", *[f"keep {float(r) * 100:g}%" for r in ratios]]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(ratios)]
