@@ -367,14 +367,19 @@ def test_headline_table_from_rows_and_readme_update(ml, tmp_path):
 
     rows = [row("needle", "needle", "arckv", "0.1", "0.8", "15"), row("needle", "needle", "none", "1", "0.85", "20"),
             row("fidelity", "continuation", "arckv", "0.2", "0.974", "4", "12.34"),
+            row("fidelity", "continuation", "arckv", "0.1", "0.9", "4", "5"),
             row("fidelity", "continuation", "arckv", "0.05", "0.5", "4", "3"),
             row("ruler", "ruler", "snapkv", "0.05", "0.0449"), row("ruler", "ruler", "none", "1", "0.429"),
             row("ruler", "niah_single_1", "snapkv", "0.05", "0.9")]  # a subtask never enters the table
+    rows[0].update(ci_low="0.6", ci_high="0.9333")
+    rows[3].update(ci_low="0.85", ci_high="0.95")
+    rows[2].update(ci_low="0.9", ci_high="1")  # keep 20%: the table shows only keep 10%'s intervals
+    rows[6].update(ci_low="0.3", ci_high="0.55")
     table = ml.headline_markdown(rows).splitlines()
     arckv = next(line for line in table if line.startswith("| `arckv` |"))
-    assert arckv == "| `arckv` | - · 12/15 · - | 0.97 · - · 0.50 | - | 12.3 · - · 3.0 |"
+    assert arckv == "| `arckv` | - · 12/15 [0.60, 0.93] · - | 0.97 · 0.90 [0.85, 0.95] · 0.50 | - | 12.3 · 5.0 · 3.0 |"
     assert next(line for line in table if line.startswith("| `snapkv` |")) == "| `snapkv` | - | - | - · - · 0.04 | - |"
-    assert table[-2] == "| full cache | 17/20 | - | 0.43 | - |"
+    assert table[-2] == "| full cache | 17/20 | - | 0.43 [0.30, 0.55] | - |"
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{ml.HEADLINE_START}\nold\n{ml.HEADLINE_END}\nrest\n")
     assert ml.update_readme(readme, "| t |") and readme.read_text() == (
@@ -638,3 +643,34 @@ def test_ruler_lengths_are_separate_benchmarks(ml, tmp_path):
     with pytest.raises(ValueError, match="no readable sequence lengths"):
         ml.read_results(four, {}, False, common)
     assert ml.ruler_length({"results": {"quality": {}}, "group_subtasks": {}}, four) is None
+
+
+def test_plot_points_carry_the_rows_intervals_and_draw_them(ml, tmp_path):
+    """A point is the benchmark's group row with that row's interval; a mean over several task rows has
+    none; the drawn error bars span exactly the interval; the plots are written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def r(method, ratio, task, score, lo="", hi="", secs=""):
+        return {"model": "m", "benchmark": "ruler", "task": task, "method": method, "ratio": ratio, "score": score,
+                "ci_low": lo, "ci_high": hi, "compaction_seconds": secs}
+
+    rows = [r("arckv", "0.1", "ruler", "0.5", "0.25", "0.75", "3"), r("arckv", "0.1", "cwe", "0.9", "0.8", "1"),
+            r("arckv", "0.2", "ruler", "0.6", secs="4"),
+            r("snapkv", "0.1", "cwe", "0.2", "0.1", "0.3"), r("snapkv", "0.1", "vt", "0.4", "0.3", "0.5"),
+            r("none", "1", "ruler", "0.7", "0.6", "0.8")]
+    points = ml._benchmark_points(rows)
+    assert sorted(points[("m", "arckv")]) == [ml.Point(0.1, 0.5, 3.0, 0.25, 0.75), ml.Point(0.2, 0.6, 4.0)]
+    assert points[("m", "snapkv")] == [ml.Point(0.1, pytest.approx(0.3), None)]  # mean of two tasks: no interval
+    fig, ax = plt.subplots()
+    pts = sorted(points[("m", "arckv")])
+    ml._draw(ax, [p.ratio for p in pts], pts, {"color": "C0", "linestyle": "-", "marker": "o"}, "arckv")
+    (bars,) = ax.containers
+    (segments,) = [c.get_segments() for c in bars.lines[2]]
+    assert [[tuple(xy) for xy in seg] for seg in segments] == [[(0.1, 0.25), (0.1, 0.75)]]
+    plt.close(fig)
+    paths = ml.plot_benchmark("ruler", rows, tmp_path)
+    assert [p.name for p in paths] == ["ruler_score_vs_ratio.png", "ruler_score_vs_time.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)

@@ -44,6 +44,7 @@ def test_leaderboard_reads_run_evals_output(re_, tmp_path, model_path):
         folder = run.folder(tmp_path)
         folder.mkdir(parents=True)
         data = {"results": {"ruler": {"alias": "ruler", "score,none": score}}, "group_subtasks": {"ruler": []},
+                "configs": {"ruler": {"metadata": {"max_seq_lengths": [2048]}}},  # as run_evals passes them
                 "config": {"model": "hf-arckv", "model_args": re_.model_args_string(run, model_path, "float32")},
                 "date": 1.7e9, "n-samples": {}, "model_name": hf_id}
         (folder / "results.json").write_text(json.dumps(data))

@@ -58,7 +58,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from arckv_press.bench import ROOT as REPO
 
@@ -535,7 +535,8 @@ def _headline_value(r: dict | None, kind: str) -> str:
 
 def headline_markdown(rows: list[dict]) -> str:
     """The README's headline table: per method, needles found, continuation fidelity, RULER and
-    compaction time at keep 20 / 10 / 5%, from the leaderboard rows (no number is typed by hand)."""
+    compaction time at keep 20 / 10 / 5%, from the leaderboard rows (no number is typed by hand); the
+    keep-10% values and the references carry their 95% interval over examples where the row stores one."""
     from arckv_press.methods import METHOD_NAMES
 
     def pick(bench: str, task: str) -> dict[tuple[str, float], dict]:
@@ -552,11 +553,12 @@ def headline_markdown(rows: list[dict]) -> str:
             continue
         cells = []
         for table, kind in columns:
-            values = [_headline_value(table.get((m, ratio)), kind) for ratio in HEADLINE_RATIOS]
+            values = [(_with_interval if ratio == BEST_RATIO and kind != "time" else _headline_value)(
+                table.get((m, ratio)), kind) for ratio in HEADLINE_RATIOS]
             cells.append(" · ".join(values) if any(v != "-" for v in values) else "-")
         lines.append("| " + " | ".join([f"`{m}`", *cells]) + " |")
     for m, label in REFERENCE_METHODS.items():  # one row each, whatever ratio it is stored under
-        cells = [_headline_value(next((r for (name, _), r in table.items() if name == m), None), kind)
+        cells = [_with_interval(next((r for (name, _), r in table.items() if name == m), None), kind)
                  for table, kind in columns[:3]]
         lines.append("| " + " | ".join([label, *cells, "-"]) + " |")
     return "\n".join(lines)
@@ -684,8 +686,21 @@ def update_results_doc(path: Path, rows: list[dict]) -> bool:
 
 
 # ---------------------------------------------------------------------------- plots
-def _benchmark_points(rows: list[dict]) -> dict[tuple[str, str], list[tuple[float, float, float | None]]]:
-    """Per (model, method): (ratio, score, seconds) of the benchmark: its group row, else the task mean."""
+class Point(NamedTuple):
+    """One method's point of a benchmark plot: kept fraction, score, compaction seconds, and the 95%
+    interval of the score (``None`` when the point is no single row with stored examples)."""
+
+    ratio: float
+    score: float
+    seconds: float | None
+    low: float | None = None
+    high: float | None = None
+
+
+def _benchmark_points(rows: list[dict]) -> dict[tuple[str, str], list[Point]]:
+    """Per (model, method): the points of the benchmark: its group row (with that row's interval), else
+    the mean over its task rows (an interval only when there is one task row: a mean of intervals is
+    none)."""
     by: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         by[(r["model"], r["method"], fmt_ratio(r["ratio"]))].append(r)
@@ -696,8 +711,21 @@ def _benchmark_points(rows: list[dict]) -> dict[tuple[str, str], list[tuple[floa
         scores = [_num(r["score"]) for r in rs if _num(r["score"]) is not None]
         secs = [_num(r.get("compaction_seconds")) for r in rs if _num(r.get("compaction_seconds")) is not None]
         if scores:
-            out[(model, method)].append((float(ratio), mean(scores), mean(secs) if secs else None))
+            low, high = (_num(rs[0].get("ci_low")), _num(rs[0].get("ci_high"))) if len(rs) == 1 else (None, None)
+            if low is None or high is None:
+                low = high = None
+            out[(model, method)].append(Point(float(ratio), mean(scores), mean(secs) if secs else None, low, high))
     return out
+
+
+def _draw(ax, xs: list[float], pts: list[Point], style: dict[str, Any], label: str) -> None:
+    """A method's line, with its points' 95% intervals as error bars where the rows store them."""
+    ax.plot(xs, [p.score for p in pts], label=label, **style)
+    bars = [(x, p) for x, p in zip(xs, pts) if p.low is not None]
+    if bars:
+        ax.errorbar([x for x, _ in bars], [p.score for _, p in bars],
+                    yerr=[[max(0.0, p.score - p.low) for _, p in bars], [max(0.0, p.high - p.score) for _, p in bars]],
+                    fmt="none", ecolor=style["color"], elinewidth=1, capsize=3, alpha=0.7)
 
 
 def method_family(method: str) -> str:
@@ -743,19 +771,22 @@ def plot_benchmark(benchmark: str, rows: list[dict], out_dir: Path) -> list[Path
         for (model, method), pts in sorted(points.items()):
             label = labels[(model, method)]
             if method in ("none", "no-context"):
-                ax.axhline(pts[0][1], ls="--" if method == "none" else ":", color="k" if method == "none" else "grey",
+                ref, color = pts[0], "k" if method == "none" else "grey"
+                ax.axhline(ref.score, ls="--" if method == "none" else ":", color=color,
                            label=f"{label} (full context)" if method == "none" else label)
+                if ref.low is not None:  # the reference's 95% interval as a band
+                    ax.axhspan(ref.low, ref.high, color=color, alpha=0.08, lw=0)
                 continue
             pts = sorted(pts)
             if kind == "ratio":
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **styles[label])
+                _draw(ax, [p.ratio for p in pts], pts, styles[label], label)
             else:
-                timed = [p for p in pts if p[2] is not None and p[2] > 0]
+                timed = [p for p in pts if p.seconds is not None and p.seconds > 0]
                 if timed:
-                    ax.plot([p[2] for p in timed], [p[1] for p in timed], label=label, **styles[label])
+                    _draw(ax, [p.seconds for p in timed], timed, styles[label], label)
         ax.set_xscale("log")
         ax.set_xlabel("kept ratio" if kind == "ratio" else "compaction seconds per document")
-        ax.set_ylabel("score")
+        ax.set_ylabel("score (bars, band: 95% interval over examples)")
         ax.set_title(benchmark)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
