@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import load_script
 
+from arckv_press.bench.make_leaderboard import RULER_TASKS
+
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def results_json(path: Path, model: str, model_args: str, scores: dict[str, floa
             t: {"alias": t, "acc,none": s, "acc_stderr,none": 0.01, "acc_norm,none": s / 2} for t, s in scores.items()
         },
         "group_subtasks": {t: [] for t in scores},
-        "configs": {t: {"metadata": {"max_seq_lengths": [ruler_length]}} for t in scores if t in RULER_NAMES},
+        "configs": {t: {"metadata": {"max_seq_lengths": [ruler_length]}} for t in scores if t in RULER_TASKS},
         "versions": {t: 1.0 for t in scores},
         "n-samples": {t: {"original": 7, "effective": 5} for t in scores},
         "config": {"model": model, "model_args": model_args, "batch_size": 1},
@@ -36,9 +38,6 @@ def results_json(path: Path, model: str, model_args: str, scores: dict[str, floa
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data))
     return path
-
-
-RULER_NAMES = {"ruler", "cwe", "vt", "niah_single_1", "fwe"}
 
 
 def records_jsonl(path: Path, press: str, ratio: float, secs: list[float], tasks: list[str]) -> Path:
