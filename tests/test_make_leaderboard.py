@@ -352,11 +352,17 @@ def test_best_at_keep_10_percent_names_the_runner_up_and_the_test(ml):
     bad = {f"e{i}": float(i < 2) for i in range(20)}
     rows = [row("needle", "needle", "arckv", "1.0", good), row("needle", "needle", "kvzip", "0.1", bad),
             row("needle", "needle", "none", "1.0", good), row("needle", "needle", "snapkv", "0.9", good, ratio="0.2"),
-            row("ruler", "ruler", "kvzip", "0.39"), row("ruler", "ruler", "arckv-ha", "0.35")]
+            row("ruler", "ruler", "kvzip", "0.39"), row("ruler", "ruler", "arckv-ha", "0.35"),
+            row("ruler_4k", "ruler_4k", "arckv", "0.25", {"a": 0.5, "b": 0.0}),
+            row("ruler_4k", "ruler_4k", "snapkv", "0.5", {"a": 1.0, "b": 0.0}),
+            row("ruler_4k", "ruler_4k", "none", "0.9", {"a": 1.0, "b": 1.0})]
     lines = ml.best_markdown(rows).splitlines()
     assert lines[0].startswith("- needles: `arckv` 20/20, runner-up `kvzip` 2/20: significant (difference +0.900")
     assert lines[1] == "- RULER 2K: `kvzip` 0.39, runner-up `arckv-ha` 0.35: not tested (no per-example scores for both)"
-    assert len(lines) == 2  # no fidelity rows: no line
+    # the 4K rows are their own benchmark: the 2K methods never enter it, and the full cache is no candidate
+    assert lines[2].startswith("- RULER 4K: `snapkv` 0.50, runner-up `arckv` 0.25: a tie (difference +0.250, "
+                               "95% interval [+0.000, +0.500], sign test p = 1, 2 shared examples)")
+    assert len(lines) == 3  # no fidelity rows: no line
 
 
 def test_headline_table_from_rows_and_readme_update(ml, tmp_path):

@@ -585,7 +585,7 @@ def best_markdown(rows: list[dict], ratio: float = BEST_RATIO) -> str:
 
     lines = []
     for label, bench, task in (("needles", "needle", "needle"), ("continuation fidelity", "fidelity", "continuation"),
-                               ("RULER 2K", "ruler", "ruler")):
+                               ("RULER 2K", "ruler", "ruler"), ("RULER 4K", "ruler_4k", "ruler_4k")):
         cands = sorted((r for r in rows if r["benchmark"] == bench and r["task"] == task
                         and r["method"] not in REFERENCE_METHODS and r["ratio"] not in ("", None)
                         and abs(float(r["ratio"]) - ratio) < 1e-9 and _num(r["score"]) is not None),
