@@ -422,10 +422,11 @@ def test_results_doc_tables_are_the_generated_ones(ml):
     repo = Path(__file__).resolve().parents[1]
     rows = ml.read_csv(repo / "leaderboards" / "leaderboard.csv")
     text = (repo / "docs" / "results.md").read_text(encoding="utf-8")
-    for name, benchmark, task, _ in ml.RESULT_TABLES:
-        start_mark, end_mark = ml.block_marks(name)
+    for t in ml.RESULT_TABLES:
+        start_mark, end_mark = ml.block_marks(t.name)
         start, end = text.index(start_mark), text.index(end_mark)
-        assert text[start + len(start_mark):end].strip("\n") == ml.benchmark_markdown(rows, benchmark, task), name
+        assert text[:start].rstrip().endswith(f"### {t.title}"), t.name  # its heading says what it holds
+        assert text[start + len(start_mark):end].strip("\n") == ml.benchmark_markdown(rows, t.benchmark, t.task), t.name
 
 
 def test_benchmark_table_from_rows(ml, tmp_path):

@@ -584,8 +584,7 @@ def best_markdown(rows: list[dict], ratio: float = BEST_RATIO) -> str:
     from arckv_press.bench.uncertainty import paired_comparison
 
     lines = []
-    for label, bench, task in (("needles", "needle", "needle"), ("continuation fidelity", "fidelity", "continuation"),
-                               ("RULER 2K", "ruler", "ruler"), ("RULER 4K", "ruler_4k", "ruler_4k")):
+    for label, bench, task in ((t.short, t.benchmark, t.task) for t in RESULT_TABLES if t.short):
         cands = sorted((r for r in rows if r["benchmark"] == bench and r["task"] == task
                         and r["method"] not in REFERENCE_METHODS and r["ratio"] not in ("", None)
                         and abs(float(r["ratio"]) - ratio) < 1e-9 and _num(r["score"]) is not None),
@@ -621,15 +620,30 @@ def update_readme(path: Path, table: str, best: str | None = None) -> bool:
 
 
 # ---------------------------------------------------------------------------- docs/results.md tables
-#: (block name, benchmark, task, what the cells hold) of the per-benchmark tables of docs/results.md
+class ResultTable(NamedTuple):
+    """One benchmark's generated table in docs/results.md: its block name, the leaderboard's benchmark
+    and task, what the cells hold, and the label of its line in the README's best-at-keep-10% list
+    (``None``: not ranked there, e.g. a benchmark this model cannot rank methods on)."""
+
+    name: str
+    benchmark: str
+    task: str
+    title: str
+    short: str | None = None
+
+
+#: the per-benchmark tables of docs/results.md, and the benchmarks :func:`best_markdown` ranks
 RESULT_TABLES = (
-    ("needle", "needle", "needle", "needles found (five depths per length; the total is the method's number of cases)"),
-    ("fidelity", "fidelity", "continuation", "continuation fidelity, 1 - damage (mean over documents)"),
-    ("ruler", "ruler", "ruler", "RULER at 2K tokens (13 tasks)"),
-    ("ruler-4k", "ruler_4k", "ruler_4k", "RULER at 4K tokens (13 tasks)"),
-    ("quality", "quality", "quality", "QuALITY accuracy"),
-    ("longbench-multifieldqa", "longbench", "longbench_multifieldqa_zh", "LongBench MultiFieldQA-zh"),
-    ("longbench-passage-retrieval", "longbench", "longbench_passage_retrieval_zh", "LongBench PassageRetrieval-zh"),
+    ResultTable("needle", "needle", "needle",
+                "needles found (five depths per length; the total is the method's number of cases)", "needles"),
+    ResultTable("fidelity", "fidelity", "continuation", "continuation fidelity, 1 - damage (mean over documents)",
+                "continuation fidelity"),
+    ResultTable("ruler", "ruler", "ruler", "RULER at 2K tokens (13 tasks)", "RULER 2K"),
+    ResultTable("ruler-4k", "ruler_4k", "ruler_4k", "RULER at 4K tokens (13 tasks)", "RULER 4K"),
+    ResultTable("quality", "quality", "quality", "QuALITY accuracy"),
+    ResultTable("longbench-multifieldqa", "longbench", "longbench_multifieldqa_zh", "LongBench MultiFieldQA-zh"),
+    ResultTable("longbench-passage-retrieval", "longbench", "longbench_passage_retrieval_zh",
+                "LongBench PassageRetrieval-zh"),
 )
 
 
@@ -678,8 +692,8 @@ def update_results_doc(path: Path, rows: list[dict]) -> bool:
     True if the file changed. A block whose markers are missing is an error (nothing is written)."""
     text = path.read_text(encoding="utf-8")
     new = text
-    for name, benchmark, task, _ in RESULT_TABLES:
-        new = _replace_between(new, *block_marks(name), benchmark_markdown(rows, benchmark, task), path)
+    for t in RESULT_TABLES:
+        new = _replace_between(new, *block_marks(t.name), benchmark_markdown(rows, t.benchmark, t.task), path)
     if new != text:
         path.write_text(new, encoding="utf-8")
     return new != text
