@@ -680,3 +680,31 @@ def test_plot_points_carry_the_rows_intervals_and_draw_them(ml, tmp_path):
     paths = ml.plot_benchmark("ruler", rows, tmp_path)
     assert [p.name for p in paths] == ["ruler_score_vs_ratio.png", "ruler_score_vs_time.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_evidence_cost_sums_compactions_times_seconds():
+    """Each cell is the sum over kept fractions of compactions x mean seconds, in hours, with the
+    compaction count (n_records, else n_examples); unranked benchmarks, per-task rows and rows without
+    seconds are left out; the last column and row are the sums."""
+    from arckv_press.bench.study_tables import evidence_cost_markdown
+
+    def row(method, bench, task, ratio, seconds, n_records="", n_examples=""):
+        return {"method": method, "benchmark": bench, "task": task, "ratio": ratio, "compaction_seconds": seconds,
+                "n_records": n_records, "n_examples": n_examples}
+
+    rows = [row("arckv", "ruler", "ruler", "0.1", "36", n_records="130"),       # 4680 s
+            row("arckv", "ruler", "ruler", "0.2", "18", n_records="26"),        # 468 s
+            row("arckv", "ruler", "cwe", "0.1", "999", n_records="10"),         # a task row: not summed
+            row("arckv", "needle", "needle", "0.1", "40", n_examples="45"),     # 1800 s
+            row("arckv", "quality", "quality", "0.1", "999", n_records="5"),    # not ranked: left out
+            row("snapkv", "ruler_4k", "ruler_4k", "0.1", "72", n_records="50"), # 3600 s
+            row("no-context", "ruler", "ruler", "0", "", n_records=""),        # no seconds: left out
+            row("none", "ruler", "ruler", "1", "10", n_records="360")]          # 3600 s
+    lines = evidence_cost_markdown(rows).splitlines()
+    assert lines[0] == "| method | needles | continuation fidelity | RULER 2K | RULER 4K | all |"
+    assert lines[2:] == [
+        f"| `arckv` | 0.5 (45) |  | {(4680 + 468) / 3600:.1f} (156) |  | {(4680 + 468 + 1800) / 3600:.1f} (201) |",
+        "| `snapkv` |  |  |  | 1.0 (50) | 1.0 (50) |",
+        "| full cache |  |  | 1.0 (360) |  | 1.0 (360) |",
+        f"| all | 0.5 (45) |  | {(4680 + 468 + 3600) / 3600:.1f} (516) | 1.0 (50) | "
+        f"{(4680 + 468 + 1800 + 7200) / 3600:.1f} (611) |"]

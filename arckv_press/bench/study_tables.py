@@ -11,6 +11,8 @@ in the docs cannot drift from the data it came from (``scripts/make_leaderboard.
   ``--option`` values that made it, or ``default`` when its config id is today's default there.
 - ``selectors-dev`` (``docs/indexer.md``): the same data for the three ARC-KV selectors at today's
   defaults, with the mean over kept fractions.
+- ``evidence-cost`` (``docs/results.md``): the compaction hours behind the leaderboard's rows of
+  the ranked benchmarks, per method (from ``leaderboards/leaderboard.csv``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from . import checkout
 from .make_leaderboard import _replace_between, block_marks, fmt_ratio
 
 __all__ = ["STUDY_BLOCKS", "dev_damage", "dev_split_markdown", "selectors_markdown",
-           "compaction_time_markdown", "update_study_docs"]
+           "compaction_time_markdown", "evidence_cost_markdown", "update_study_docs"]
 
 
 def _options(command: str) -> dict:
@@ -187,6 +189,46 @@ def compaction_time_markdown(rows: list[dict], threads: int = 1) -> str:
     return "\n".join(lines)
 
 
+def evidence_cost_markdown(rows: list[dict]) -> str:
+    """Compaction hours behind the leaderboard's rows of every ranked benchmark
+    (:data:`~arckv_press.bench.make_leaderboard.RESULT_TABLES` with a ``short`` label): per method and
+    benchmark, the sum over its kept fractions of compactions x mean compaction seconds (the
+    compactions are ``n_records``, else ``n_examples``), with the number of compactions; a total row.
+    Rows without recorded seconds (no context) are left out."""
+    from arckv_press.methods import METHOD_NAMES
+
+    from .make_leaderboard import REFERENCE_METHODS, RESULT_TABLES
+
+    tables = [t for t in RESULT_TABLES if t.short]
+    cost: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for r in rows:
+        t = next((t for t in tables if (r.get("benchmark"), r.get("task")) == (t.benchmark, t.task)), None)
+        n = r.get("n_records") or r.get("n_examples")
+        if t is None or not r.get("compaction_seconds") or not n:
+            continue
+        cell = cost[(r["method"], t.name)]
+        cell[0] += int(float(n)) * float(r["compaction_seconds"])
+        cell[1] += int(float(n))
+    order = [m for m in METHOD_NAMES if m not in REFERENCE_METHODS] + list(REFERENCE_METHODS)
+    methods = [m for m in order if any((m, t.name) in cost for t in tables)]
+    methods += sorted({m for m, _ in cost} - set(methods))
+
+    def fmt(c: list[float] | None) -> str:
+        return "" if not c or not c[1] else f"{c[0] / 3600:.1f} ({c[1]})"
+
+    lines = ["| method | " + " | ".join(t.short for t in tables) + " | all |", "|---|" + "---:|" * (len(tables) + 1)]
+    for m in methods:
+        cells = [cost.get((m, t.name)) for t in tables]
+        total = [sum(c[0] for c in cells if c), sum(c[1] for c in cells if c)]
+        label = REFERENCE_METHODS.get(m, f"`{m}`")
+        lines.append("| " + " | ".join([label, *map(fmt, cells), fmt(total)]) + " |")
+    sums = [[sum(cost[(m, t.name)][0] for m in methods if (m, t.name) in cost),
+             sum(cost[(m, t.name)][1] for m in methods if (m, t.name) in cost)] for t in tables]
+    lines.append("| " + " | ".join(["all", *map(fmt, sums), fmt([sum(c[0] for c in sums), sum(c[1] for c in sums)])])
+                 + " |")
+    return "\n".join(lines)
+
+
 #: (doc, block name, source CSV, generator) of every generated study table; paths from the checkout root
 STUDY_BLOCKS = (
     ("docs/results.md", "compaction-time", "leaderboards/bench_compaction.csv", compaction_time_markdown),
@@ -194,6 +236,7 @@ STUDY_BLOCKS = (
      partial(compaction_time_markdown, threads=2)),
     ("docs/results.md", "development-split", "leaderboards/fidelity_dev.csv", dev_split_markdown),
     ("docs/indexer.md", "selectors-dev", "leaderboards/fidelity_dev.csv", selectors_markdown),
+    ("docs/results.md", "evidence-cost", "leaderboards/leaderboard.csv", evidence_cost_markdown),
 )
 
 
