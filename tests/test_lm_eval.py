@@ -431,6 +431,11 @@ def test_requests_without_document_and_bad_options(inprocess_runs):
     assert ha.config_id == method_config_id("arckv-ha", 0.5, lambda_m=0.5) != method_config_id("arckv-ha", 0.5)
     floor = HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv-ha", ratio=0.5, press_min_head_fraction=0.75)
     assert floor.config_id == method_config_id("arckv-ha", 0.5, min_head_fraction=0.75) != method_config_id("arckv-ha", 0.5)
+    merge = HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv-ha", ratio=0.5, press_merge_rows=256)
+    assert merge._press.compaction_config().merge_rows == 256  # a CompactionConfig field with no press argument
+    assert merge.config_id == method_config_id("arckv-ha", 0.5, config_options={"merge_rows": 256}) != floor.config_id
+    with pytest.raises((TypeError, ValueError), match="no_such_field"):
+        HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv-ha", ratio=0.5, press_no_such_field=1)
     low = HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="arckv-ha", ratio=0.02)  # the lambda_m schedule
     assert low.config_id == method_config_id("arckv-ha", 0.02) != method_config_id("arckv-ha", 0.5)
     assert HFArcKV(pretrained=lm.model, tokenizer=lm.tokenizer, press="snapkv", ratio=0.5).config_id == ""

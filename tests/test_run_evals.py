@@ -110,3 +110,31 @@ def test_a_folder_of_other_sizes_is_refused_not_counted_as_done(re_, tmp_path):
         with pytest.raises(SystemExit, match="write these sizes to another --out"):
             re_.main([*common, *other])
     assert re_.main([*common, "--limit", "2"]) == 0  # the same sizes: done, nothing to run
+
+
+def test_option_runs_carry_their_options_and_never_retire_default_runs(re_, tmp_path, capsys):
+    """``--option`` reaches the ARC-KV / AM presses (``press_KEY`` model args, the option's config
+    id), not kvpress presses or the baselines; a folder of the default options is refused, unmoved."""
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.registry import result_ids
+
+    ha, snap, blank = re_.Run("ruler", "arckv-ha", 0.1), re_.Run("ruler", "snapkv", 0.1), re_.Run("ruler", "no-context", 1.0)
+    opts = {"merge_rows": 256}
+    assert re_.model_args_string(ha, None, "float32", opts) == "press=arckv-ha,ratio=0.1,dtype=float32,press_merge_rows=256"
+    assert re_.model_args_string(snap, None, "float32", opts) == "press=snapkv,ratio=0.1,dtype=float32"
+    assert "press_" not in re_.model_args_string(blank, None, "float32", opts)
+    option_ids = result_ids("arckv-ha", DEFAULT_MODEL_ID, 0.1, config_options=opts)
+    default_ids = result_ids("arckv-ha", DEFAULT_MODEL_ID, 0.1)
+    assert option_ids["config_id"] != default_ids["config_id"]
+
+    folder = ha.folder(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps({"results": {}, "arckv_run": default_ids}))
+    argv = ["--benchmarks", "ruler", "--methods", "arckv-ha", "--ratios", "0.1", "--no-baselines", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit):
+        re_.main([*argv, "--option", "merge_rows=256"])
+    assert "holds a run of the default compaction options" in capsys.readouterr().err
+    assert (folder / "results.json").exists()
+    assert re_.main([*argv, "--list"]) == 0 and "1 done" in capsys.readouterr().out  # the default run counts
+    (folder / "results.json").write_text(json.dumps({"results": {}, "arckv_run": option_ids}))
+    assert re_.main([*argv, "--list", "--option", "merge_rows=256"]) == 0 and "1 done" in capsys.readouterr().out

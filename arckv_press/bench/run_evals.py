@@ -22,6 +22,13 @@ leaderboard.
     python scripts/run_evals.py --benchmarks ruler --limit 2                   # every method, 5 ratios
     python scripts/run_evals.py --benchmarks ruler quality --methods arckv snapkv --ratios 0.1
     python scripts/run_evals.py --list                                         # the plan and what is done
+    python scripts/run_evals.py --benchmarks ruler --methods arckv-ha --ratios 0.1 \
+        --option merge_rows=256 --out leaderboards/lm_eval_merge256           # a compaction option
+
+``--option KEY=VALUE`` sets a :class:`~arckv_press.api.CompactionConfig` field of the ARC-KV and
+Attention Matching methods (as in the other scripts; it becomes ``press_KEY=VALUE`` in
+``--model_args``); such runs go to their own ``--out``: a folder holding a run of the default
+options is refused, never moved away.
 
 Sizes (defaults sized for a 2-core CPU, all recorded in ``results.json``): RULER at
 ``--ruler-length`` tokens (default 2048) with ``--limit`` samples per task; QuALITY: the first
@@ -40,6 +47,7 @@ from pathlib import Path
 
 from arckv_press.bench import ROOT
 from arckv_press.methods import METHOD_NAMES
+from arckv_press.runinfo import add_option_argument
 
 DEFAULT_OUT = ROOT / "leaderboards" / "lm_eval"
 TASKS_DIR = Path(importlib.util.find_spec("arckv_press.tasks").submodule_search_locations[0])  # shipped tasks
@@ -142,18 +150,30 @@ def task_setup(run: Run, args) -> tuple[list[str], dict, int | None]:
     return tasks, {"max_length": args.longbench_length}, args.limit
 
 
-def model_args_string(run: Run, model_path: str | None, dtype: str) -> str:
+def run_options(run: Run, options: dict | None) -> dict:
+    """The ``--option`` fields that apply to ``run``: all of them for ARC-KV and Attention Matching,
+    none for kvpress presses and the baselines (as :func:`arckv_press.registry.press_options`)."""
+    from arckv_press.methods import METHODS
+
+    spec = METHODS.get(run.method)
+    return dict(options or {}) if spec is not None and spec.ours else {}
+
+
+def model_args_string(run: Run, model_path: str | None, dtype: str, options: dict | None = None) -> str:
     """The ``--model_args`` an equivalent ``lm_eval --model hf-arckv`` command would take
-    (``model_path`` None: the embedded default model, which ``hf-arckv`` loads without ``pretrained``)."""
+    (``model_path`` None: the embedded default model, which ``hf-arckv`` loads without ``pretrained``;
+    ``options``: the ``--option`` fields, as ``press_KEY=VALUE``)."""
     model = f"pretrained={model_path}," if model_path else ""
     if run.method == "no-context":
         return f"{model}press=none,ratio=1.0,drop_document=True,dtype={dtype}"
-    return f"{model}press={run.method},ratio={run.ratio:g},dtype={dtype}"
+    extra = "".join(f",press_{k}={v}" for k, v in run_options(run, options).items())
+    return f"{model}press={run.method},ratio={run.ratio:g},dtype={dtype}{extra}"
 
 
 def equivalent_command(run: Run, args, model_path: str | None) -> str:
     tasks, metadata, limit = task_setup(run, args)
-    cmd = (f"lm_eval --model hf-arckv --model_args {model_args_string(run, model_path, args.dtype)} "
+    model_args = model_args_string(run, model_path, args.dtype, getattr(args, "options", None))
+    cmd = (f"lm_eval --model hf-arckv --model_args {model_args} "
            f"--tasks {','.join(tasks)} --device cpu --metadata '{json.dumps(metadata)}'")
     return cmd + (f" --limit {limit}" if limit else "")
 
@@ -175,6 +195,7 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[
         pretrained=model, tokenizer=tokenizer, press="none" if drop else run.method, ratio=run.ratio,
         drop_document=drop, records=str(folder / "arckv_compaction.jsonl"), append_records=True, batch_size=1,
         max_length=args.max_length,
+        **{f"press_{k}": v for k, v in run_options(run, getattr(args, "options", None)).items()},
     )
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=dict(metadata))
     t0 = time.perf_counter()
@@ -187,7 +208,8 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[
     write_sample_scores(folder / "sample_scores.json", results.get("samples") or {})
     keep = ("results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
     data = {k: results[k] for k in keep if k in results}
-    data["config"] = {"model": "hf-arckv", "model_args": model_args_string(run, model_path, args.dtype),
+    data["config"] = {"model": "hf-arckv",
+                      "model_args": model_args_string(run, model_path, args.dtype, getattr(args, "options", None)),
                       "limit": limit, "metadata": metadata}
     data["date"] = time.time()
     data["model_name"] = model_id(model)  # the HF id, not a machine's local folder
@@ -242,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--list", action="store_true", help="print the plan and which runs are done, run nothing")
+    add_option_argument(p)
     args = p.parse_args(argv)
 
     from arckv_press.methods import METHODS
@@ -253,11 +276,17 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"ratios are kept fractions in (0, 1), got {bad}")
     from arckv_press.models import DEFAULT_MODEL_ID
-    from arckv_press.registry import result_ids
+    from arckv_press.runinfo import CurrentIds
 
     runs = plan(args.benchmarks, args.methods, args.ratios, args.baselines)
-    ids = {r: result_ids(r.method, DEFAULT_MODEL_ID, r.ratio) if r.method in METHODS else dict.fromkeys(ID_KEYS, "")
-           for r in runs}
+    current, default = CurrentIds(DEFAULT_MODEL_ID, args.options), CurrentIds(DEFAULT_MODEL_ID)
+    blank = dict.fromkeys(ID_KEYS, "")
+    ids = {r: current(r.method, r.ratio) if r.method in METHODS else blank for r in runs}
+    for r in runs:  # an option run never retires (moves away) a run of the default options
+        stored = folder_ids(r.folder(args.out))
+        if args.options and r.method in METHODS and stored not in (None, ids[r]) and stored == default(r.method, r.ratio):
+            p.error(f"{r.folder(args.out)} holds a run of the default compaction options: "
+                    f"write runs with --option {args.options} to another --out")
     if args.list:  # report only: nothing is moved
         todo = [r for r in runs if not finished(r.folder(args.out), ids[r])]
     else:

@@ -299,7 +299,9 @@ class HFArcKV(HFLM):
         drop_document: the no-context baseline (the document text is removed from every prompt;
             needs ``press=none``).
         press_<option>: any other press option, e.g. ``press_window_size=32`` for SnapKV,
-            ``press_query_budget=1024`` or ``press_min_head_fraction=0.75`` for ARC-KV.
+            ``press_query_budget=1024`` or ``press_min_head_fraction=0.75`` for ARC-KV; for ARC-KV
+            and Attention Matching any :class:`~arckv_press.api.CompactionConfig` field, e.g.
+            ``press_merge_rows=256`` (:func:`arckv_press.registry.press_options`).
         Other arguments go to ``HFLM`` (``dtype``, ``device``, ``max_length``, ``batch_size``, ...).
     """
 
@@ -333,6 +335,10 @@ class HFArcKV(HFLM):
             press_options["lambda_m"] = float(lambda_m)
         if indexer is not None:
             press_options["indexer"] = str(indexer)
+        if METHODS[press].ours and press_options:  # CompactionConfig fields the press has no argument for
+            from arckv_press.registry import press_options as press_arguments
+
+            press_options = press_arguments(press, press_options)
         if pretrained is None:
             pretrained = default_model_path()
         if device is None:
