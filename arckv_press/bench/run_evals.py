@@ -189,13 +189,14 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[
 
     folder = run.folder(args.out)
     folder.mkdir(parents=True, exist_ok=True)
+    options = getattr(args, "options", None)
     tasks, metadata, limit = task_setup(run, args)
     drop = run.method == "no-context"
     lm = HFArcKV(
         pretrained=model, tokenizer=tokenizer, press="none" if drop else run.method, ratio=run.ratio,
         drop_document=drop, records=str(folder / "arckv_compaction.jsonl"), append_records=True, batch_size=1,
         max_length=args.max_length,
-        **{f"press_{k}": v for k, v in run_options(run, getattr(args, "options", None)).items()},
+        **{f"press_{k}": v for k, v in run_options(run, options).items()},
     )
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=dict(metadata))
     t0 = time.perf_counter()
@@ -208,8 +209,7 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[
     write_sample_scores(folder / "sample_scores.json", results.get("samples") or {})
     keep = ("results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
     data = {k: results[k] for k in keep if k in results}
-    data["config"] = {"model": "hf-arckv",
-                      "model_args": model_args_string(run, model_path, args.dtype, getattr(args, "options", None)),
+    data["config"] = {"model": "hf-arckv", "model_args": model_args_string(run, model_path, args.dtype, options),
                       "limit": limit, "metadata": metadata}
     data["date"] = time.time()
     data["model_name"] = model_id(model)  # the HF id, not a machine's local folder
@@ -282,9 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     current, default = CurrentIds(DEFAULT_MODEL_ID, args.options), CurrentIds(DEFAULT_MODEL_ID)
     blank = dict.fromkeys(ID_KEYS, "")
     ids = {r: current(r.method, r.ratio) if r.method in METHODS else blank for r in runs}
-    for r in runs:  # an option run never retires (moves away) a run of the default options
-        stored = folder_ids(r.folder(args.out))
-        if args.options and r.method in METHODS and stored not in (None, ids[r]) and stored == default(r.method, r.ratio):
+    for r in runs if args.options else []:  # an option run never retires (moves away) a default run
+        if r.method in METHODS and folder_ids(r.folder(args.out)) == default(r.method, r.ratio) != ids[r]:
             p.error(f"{r.folder(args.out)} holds a run of the default compaction options: "
                     f"write runs with --option {args.options} to another --out")
     if args.list:  # report only: nothing is moved

@@ -216,16 +216,15 @@ def evidence_cost_markdown(rows: list[dict]) -> str:
     def fmt(c: list[float] | None) -> str:
         return "" if not c or not c[1] else f"{c[0] / 3600:.1f} ({c[1]})"
 
+    def total(cells) -> list[float]:
+        return [sum(c[0] for c in cells if c), sum(c[1] for c in cells if c)]
+
+    by_method = {m: [cost.get((m, t.name)) for t in tables] for m in methods}
     lines = ["| method | " + " | ".join(t.short for t in tables) + " | all |", "|---|" + "---:|" * (len(tables) + 1)]
-    for m in methods:
-        cells = [cost.get((m, t.name)) for t in tables]
-        total = [sum(c[0] for c in cells if c), sum(c[1] for c in cells if c)]
-        label = REFERENCE_METHODS.get(m, f"`{m}`")
-        lines.append("| " + " | ".join([label, *map(fmt, cells), fmt(total)]) + " |")
-    sums = [[sum(cost[(m, t.name)][0] for m in methods if (m, t.name) in cost),
-             sum(cost[(m, t.name)][1] for m in methods if (m, t.name) in cost)] for t in tables]
-    lines.append("| " + " | ".join(["all", *map(fmt, sums), fmt([sum(c[0] for c in sums), sum(c[1] for c in sums)])])
-                 + " |")
+    for m, cells in by_method.items():
+        lines.append("| " + " | ".join([REFERENCE_METHODS.get(m, f"`{m}`"), *map(fmt, cells), fmt(total(cells))]) + " |")
+    columns = [total([cells[i] for cells in by_method.values()]) for i in range(len(tables))]
+    lines.append("| " + " | ".join(["all", *map(fmt, columns), fmt(total(columns))]) + " |")
     return "\n".join(lines)
 
 
