@@ -498,6 +498,24 @@ def test_lm_eval_sample_scores_become_example_scores(ml, tmp_path):
     assert all(r["example_scores"] == "" for r in ml.read_results(path, {}, False, {"package_version": "0", "command": "c"}))
 
 
+def test_a_group_row_counts_its_subtasks_examples(ml, tmp_path):
+    """lm-eval lists no ``n-samples`` for a group: its row's ``n_examples`` is the sum of its subtasks'
+    effective counts (a leaf keeps its own), and stays empty when a subtask's count is missing."""
+    path = results_json(tmp_path / "ruler" / "arckv_0.1" / "results.json", "hf-arckv",
+                        "pretrained=m,press=arckv,ratio=0.1", {"cwe": 0.5, "vt": 1.0, "ruler": 0.75}, 1.7e9)
+    data = json.loads(path.read_text())
+    data["group_subtasks"] = {"ruler": ["cwe", "vt"], "cwe": [], "vt": []}
+    data["n-samples"] = {"cwe": {"original": 10, "effective": 10}, "vt": {"original": 10, "effective": 4}}
+    path.write_text(json.dumps(data))
+    common = {"package_version": "0", "command": "c"}
+    rows = {r["task"]: r for r in ml.read_results(path, {}, False, common)}
+    assert (rows["cwe"]["n_examples"], rows["vt"]["n_examples"], rows["ruler"]["n_examples"]) == (10, 4, 14)
+    del data["n-samples"]["vt"]
+    path.write_text(json.dumps(data))
+    rows = {r["task"]: r for r in ml.read_results(path, {}, False, common)}
+    assert (rows["cwe"]["n_examples"], rows["vt"]["n_examples"], rows["ruler"]["n_examples"]) == (10, "", "")
+
+
 def test_study_tables_in_the_docs_are_the_generated_ones():
     """docs/results.md's compaction-time and development-split tables and docs/indexer.md's selector
     table are exactly what study_tables generates from the committed CSVs."""

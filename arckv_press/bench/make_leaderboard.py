@@ -282,7 +282,10 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
         name = metric.split(",", 1)[0]
         per_example = {f"{t}/{doc}": s[name] for t in (groups.get(task) or [task]) for doc, s in samples.get(t, {}).items()
                        if name in s}
-        n = n_samples.get(task, {})
+        n = count_of(n_samples.get(task))
+        if n == "" and task in groups:  # a group's count is its subtasks' (lm-eval lists none for it)
+            counts = [count_of(n_samples.get(t)) for t in groups[task]]
+            n = sum(counts) if counts and "" not in counts else ""
         benchmark, row_task = benchmark_of(task, groups), task
         if benchmark == "ruler":  # one benchmark per length; its group row is named after it, as every group's
             benchmark = ruler_benchmark(length)
@@ -290,7 +293,7 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
         row = {
             "model": model, "benchmark": benchmark, "task": row_task, "method": method,
             "ratio": ratio, "score": score, "metric": metric,
-            "n_examples": n.get("effective", n.get("original", "")) if isinstance(n, dict) else n,
+            "n_examples": n,
             "model_args": config.get("model_args") if isinstance(config.get("model_args"), str)
             else json.dumps(config.get("model_args"), sort_keys=True),
             "source": _source(path), "date": iso_date(data.get("date")), **common,
@@ -303,6 +306,14 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
                 row[key] = str(data["arckv_run"][key])
         rows.append(row)
     return rows
+
+
+def count_of(n) -> int | str:
+    """The number of examples an lm-eval ``n-samples`` entry counts (``effective``, else ``original``),
+    or ``""`` when there is none."""
+    if isinstance(n, dict):
+        n = n.get("effective", n.get("original"))
+    return "" if n is None or n == {} else int(n)
 
 
 def newest_rows(rows: list[dict]) -> tuple[dict[str, str], list[dict]]:
