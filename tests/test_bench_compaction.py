@@ -67,6 +67,24 @@ def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys
     line = next(l for l in printed if "plain repeat-prefill" in l)
     assert_ratio_of_rounded(float(line.split("/ prefill ")[1].split()[0]), plain, pre, csv_decimals=4)
     assert 0 < plain < sec[("arckv-ha", "repeat_prefill")] * 3  # same forwards, no statistics
+    # and the floor of an exact repeat-prefill, from the profiled prefill's attention share
+    from arckv_press.api import CompactionConfig
+    from arckv_press.bench.bench_compaction import document_ids
+    from arckv_press.bench.repeat_floor import repeat_floor
+    from arckv_press.capture import framing_for, repeat_chunks
+    from arckv_press.haystack import load_haystack
+    from arckv_press.models import load_model
+
+    kernel, wall = sec[("none", "prefill_attention")], sec[("none", "prefill_profiled")]
+    assert 0 < kernel < wall
+    tok = load_model()[1]
+    ids, prefix_len = document_ids(tok, load_haystack(None), 300)
+    chunks = [c.shape[-1] for _, _, c in repeat_chunks(tok, ids[:, prefix_len:], framing_for(tok).suffix_ids,
+                                                         CompactionConfig().repeat_chunk)]
+    assert abs(sec[("none", "repeat_floor")] - repeat_floor(pre, kernel / wall, ids.shape[1], chunks)) < 1e-3
+    line = next(l for l in printed if "exact repeat-prefill floor" in l)
+    assert_ratio_of_rounded(float(line.split("/ prefill ")[1].split()[0]), sec[("none", "repeat_floor")], pre,
+                            csv_decimals=4)
     # --summary prints the same figures from the CSV alone (what an interrupted run left behind)
     assert mod.main([*argv, "--summary"]) == 0
     again = capsys.readouterr().out.splitlines()
@@ -107,3 +125,27 @@ def test_the_run_summarised_is_the_last_one_with_the_asked_arckv_options():
     # Attention Matching alone (no ARC-KV method asked for): the last run with its rows
     info, results = mod.last_model_run(rows, default, methods=["am-omp"])
     assert info["command"] == "run b" and set(results) == {("none", 1.0, 4000), ("am-omp", 0.1, 4000)}
+
+
+def test_repeat_floor_counts_pairs_and_tokens_as_brute_force():
+    """attention_pairs is the count of (query, key) pairs a causal forward after a cache sees; the floor
+    weighs the prefill's linear part by the tokens repeated and its attention by the pairs."""
+    import pytest
+
+    from arckv_press.bench.repeat_floor import attention_pairs, repeat_floor
+
+    def brute(lengths, past):
+        return sum(1 for m in lengths for i in range(m) for j in range(past + m) if j <= past + i)
+
+    for lengths, past in (([5], 0), ([3, 4], 7), ([1, 1, 2], 2), ([], 3)):
+        assert attention_pairs(lengths, past) == brute(lengths, past)
+    L, chunks = 10, [6, 7]                         # two chunks of 10 tokens' document plus prompts
+    tokens, pairs = 13 / 10, brute(chunks, L) / brute([L], 0)
+    assert repeat_floor(2.0, 0.25, L, chunks) == pytest.approx(2.0 * (0.75 * tokens + 0.25 * pairs))
+    assert repeat_floor(2.0, 0.0, L, [L]) == pytest.approx(2.0)   # no attention: the same tokens again
+    with pytest.raises(ValueError, match="attention_share"):
+        repeat_floor(1.0, 1.5, L, chunks)
+    with pytest.raises(ValueError, match="repeat chunk"):
+        repeat_floor(1.0, 0.5, L, [])
+    with pytest.raises(ValueError, match=">= 0"):
+        attention_pairs([2], -1)

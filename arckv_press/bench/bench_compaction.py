@@ -20,7 +20,9 @@ Printed from the same run, against the goals of the fast-compaction issue: ARC-K
 post-repeat time (everything after the repeat-prefill) / one prefill, the repeat-prefill / one
 prefill, AM's select + fit / ARC-KV's post-repeat time, end-to-end AM / ARC-KV, the learned
 indexer's selection / HA's (in-pass statistics included) and the post-repeat growth between
-lengths.
+lengths. With ``--plain-repeat`` (on CPU) one more prefill runs under the profiler, and the least
+time an exact repeat-prefill can take (:mod:`arckv_press.bench.repeat_floor`) is printed beside
+the repeat-prefill's.
 
 Synthetic part: the default ARC-KV pipeline on random ``K, V [H, T, D]`` and one reference row per
 query head and position (``Q [H, G, T, D]``, H = 3, G = 3, D = 64): the statistics pass
@@ -185,6 +187,8 @@ def model_section(args, meta: dict) -> list[dict]:
             if args.plain_repeat:
                 base["repeat_plain"] = median_seconds(partial(plain_repeat, model, tok, cache, ids, prefix_len),
                                                       args.repeats, warmup=0)
+                if model.device.type == "cpu":  # the floor of an exact repeat-prefill (repeat_floor.py)
+                    base.update(floor_stages(model, tok, ids, prefix_len, pre))
             record("none", 1.0, length, base)
             print(f"{length} tokens (+{prefix_len} prefix): " + ", ".join(f"{k} {v:.2f} s" for k, v in base.items()),
                   flush=True)
@@ -204,6 +208,24 @@ def model_section(args, meta: dict) -> list[dict]:
                     print(f"  rho {ratio:<5g} {method:<19} {shown}", flush=True)
     print_model_summary(results, args, methods)
     return rows
+
+
+def floor_stages(model, tok, ids: torch.Tensor, prefix_len: int, prefill_seconds: float) -> dict[str, float]:
+    """One profiled prefill of ``ids``: ``prefill_attention`` (its attention kernel's seconds),
+    ``prefill_profiled`` (its wall seconds) and ``repeat_floor``, the seconds an exact repeat-prefill
+    of the default chunks needs at least (:func:`~arckv_press.bench.repeat_floor.repeat_floor`, with the
+    share of attention of the profiled prefill applied to the median prefill ``prefill_seconds``)."""
+    from arckv_press.api import CompactionConfig
+    from arckv_press.capture import framing_for, prefill, repeat_chunks
+
+    from .repeat_floor import attention_seconds, repeat_floor
+
+    kernel, wall = attention_seconds(partial(prefill, model, ids))
+    doc = ids[:, prefix_len:].cpu()
+    chunks = [c.shape[-1] for _, _, c in repeat_chunks(tok, doc, framing_for(tok).suffix_ids,
+                                                         CompactionConfig().repeat_chunk)]
+    return {"prefill_attention": kernel, "prefill_profiled": wall,
+            "repeat_floor": repeat_floor(prefill_seconds, kernel / wall, ids.shape[1], chunks)}
 
 
 def plain_repeat(model, tok, cache, ids: torch.Tensor, prefix_len: int) -> None:
@@ -251,6 +273,12 @@ def ratio_lines(results: dict, lengths: list[int], ratios: list[float]) -> list[
         plain = results[("none", 1.0, length)].get("repeat_plain")
         if plain is not None:
             lines.append(f"{length:>6} tok: plain repeat-prefill (own attention, no statistics) / prefill {plain / pre:.2f}")
+        floor = results[("none", 1.0, length)].get("repeat_floor")
+        if floor is not None:
+            share = results[("none", 1.0, length)]["prefill_attention"] / results[("none", 1.0, length)]["prefill_profiled"]
+            lines.append(f"{length:>6} tok: exact repeat-prefill floor / prefill {floor / pre:.2f} [goal 1.5] "
+                         f"(the same tokens again, each chunk against the whole context; attention {share:.0%} "
+                         "of a profiled prefill)")
         for ratio in ratios:
             for name in ("arckv", "arckv-ha", "arckv-vi"):  # each ARC-KV variant of the run against OMP
                 arc = results.get((name, ratio, length))
@@ -440,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-model", action="store_true", help="only the synthetic sweep")
     p.add_argument("--plain-repeat", action="store_true",
                    help="also time the repeat-prefill with the model's own attention and no statistics (stage "
-                        "repeat_plain of method none): the floor of any exact repeat-prefill")
+                        "repeat_plain of method none), and on CPU profile one prefill for the least time an exact "
+                        "repeat-prefill takes (stages prefill_attention, prefill_profiled, repeat_floor)")
     p.add_argument("--skip-synthetic", action="store_true", help="only the model section")
     p.add_argument("--quick", action="store_true", help="1K only, rho 0.1 and 0.02, one repeat, synthetic T <= 4096")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
