@@ -141,6 +141,22 @@ def test_shapes_and_reference_logits():
     np.testing.assert_allclose(s.double().numpy(), P.pow(2).mean(1).sqrt().numpy(), rtol=1e-4, atol=1e-6)
 
 
+def test_pair_logits_one_index_head_at_a_time_equals_the_batched_form():
+    """Without autograd pair_logits sums the index heads one [H, n, T] matrix at a time; with it, one
+    batched [H, H_I, n, T] product: the same logits, at selection's shapes and a strided kbar (the
+    layout scores() keeps)."""
+    from arckv_press.indexer.model import pair_logits
+
+    g = torch.Generator().manual_seed(0)
+    qbar, w = torch.randn(3, 64, 4, 16, generator=g), torch.randn(3, 64, 4, generator=g)
+    kbar = torch.randn(3, 4, 16, 300, generator=g).permute(0, 3, 1, 2)  # [H, T, H_I, d_I] view
+    batched = pair_logits(qbar, kbar, w.requires_grad_(True)).detach()
+    with torch.no_grad():
+        one_at_a_time = pair_logits(qbar, kbar, w)
+    torch.testing.assert_close(one_at_a_time, batched, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(one_at_a_time, pair_logits(qbar, kbar, w, slope=0.2).detach())  # the slope counts
+
+
 def test_query_key_only_checkpoint_reproduces_logits_exactly():
     """Paper: with L_c = L_v = 0 the logits do not depend on U_* (nor on V)."""
     cfg = tiny_config()

@@ -307,18 +307,24 @@ def row_weights(p: dict[str, Tensor], X: Tensor) -> Tensor:
 def pair_logits(qbar: Tensor, kbar: Tensor, w: Tensor, slope: float = 0.1) -> Tensor:
     """Indexer logits of paper Eq. (pairwise_index_score): ``[H, n, T]``.
 
-    ``qbar [H, n, H_I, d_I]``, ``kbar [H, T, H_I, d_I]``, ``w [H, n, H_I]``; one batched matmul
-    over (KV head, index head), then the weighted sum over index heads as ``H_I`` multiply-adds
-    on ``[H, n, T]`` (in place when autograd is off: the ``[H, H_I, n, T]`` scores are the
-    largest tensor of anchor selection, and an einsum over them made a permuted copy).
+    ``qbar [H, n, H_I, d_I]``, ``kbar [H, T, H_I, d_I]``, ``w [H, n, H_I]``. With autograd: one
+    batched matmul over (KV head, index head), then the weighted sum over index heads as ``H_I``
+    multiply-adds on ``[H, n, T]``. Without (anchor selection): one index head at a time, each
+    ``[H, n, T]`` score matrix made, rectified and added in place, so the ``[H, H_I, n, T]`` scores
+    of the batched form are never held (the same sums in the same order).
     """
-    d_I = qbar.shape[-1]
-    s = (qbar * d_I ** -0.5).permute(0, 2, 1, 3) @ kbar.permute(0, 2, 3, 1)  # [H, H_I, n, T]
-    grad = torch.is_grad_enabled() and (s.requires_grad or w.requires_grad)
-    s = F.leaky_relu(s, negative_slope=slope) if grad else F.leaky_relu_(s, negative_slope=slope)
-    out = s[:, 0] * w[:, :, 0, None]
-    for a in range(1, s.shape[1]):
-        out = out.addcmul(s[:, a], w[:, :, a, None]) if grad else out.addcmul_(s[:, a], w[:, :, a, None])
+    q = qbar * qbar.shape[-1] ** -0.5
+    grad = torch.is_grad_enabled() and (q.requires_grad or kbar.requires_grad or w.requires_grad)
+    if grad:
+        s = F.leaky_relu(q.permute(0, 2, 1, 3) @ kbar.permute(0, 2, 3, 1), negative_slope=slope)  # [H, H_I, n, T]
+        out = s[:, 0] * w[:, :, 0, None]
+        for a in range(1, s.shape[1]):
+            out = out.addcmul(s[:, a], w[:, :, a, None])
+        return out
+    out = None
+    for a in range(q.shape[2]):
+        s_a = F.leaky_relu_(q[:, :, a] @ kbar[:, :, a].transpose(1, 2), negative_slope=slope)  # [H, n, T]
+        out = s_a.mul_(w[:, :, a, None]) if out is None else out.addcmul_(s_a, w[:, :, a, None])
     return out
 
 
