@@ -269,13 +269,12 @@ def ratio_lines(results: dict, lengths: list[int], ratios: list[float]) -> list[
     for length in lengths:
         if ("none", 1.0, length) not in results:  # an interrupted run (--summary) that did not reach it
             continue
-        pre = results[("none", 1.0, length)]["prefill"]
-        plain = results[("none", 1.0, length)].get("repeat_plain")
+        base = results[("none", 1.0, length)]
+        pre, plain, floor = base["prefill"], base.get("repeat_plain"), base.get("repeat_floor")
         if plain is not None:
             lines.append(f"{length:>6} tok: plain repeat-prefill (own attention, no statistics) / prefill {plain / pre:.2f}")
-        floor = results[("none", 1.0, length)].get("repeat_floor")
         if floor is not None:
-            share = results[("none", 1.0, length)]["prefill_attention"] / results[("none", 1.0, length)]["prefill_profiled"]
+            share = base["prefill_attention"] / base["prefill_profiled"]
             lines.append(f"{length:>6} tok: exact repeat-prefill floor / prefill {floor / pre:.2f} [goal 1.5] "
                          f"(the same tokens again, each chunk against the whole context; attention {share:.0%} "
                          "of a profiled prefill)")

@@ -313,7 +313,7 @@ def count_of(n) -> int | str:
     or ``""`` when there is none."""
     if isinstance(n, dict):
         n = n.get("effective", n.get("original"))
-    return "" if n is None or n == {} else int(n)
+    return "" if n is None else int(n)
 
 
 def newest_rows(rows: list[dict]) -> tuple[dict[str, str], list[dict]]:
