@@ -229,6 +229,11 @@ def test_fidelity_rows_score_one_minus_mean_damage(ml, tmp_path):
     assert float(arckv["compaction_seconds"]) == pytest.approx(15.0) and arckv["n_examples"] == "2"
     assert float(row(rows, benchmark="fidelity", method="snapkv")["score"]) == pytest.approx(0.5)
     assert float(arckv["full_score"]) == 1.0 and float(arckv["nocontext_score"]) == 0.0
+    # the references are exact on every document a method was scored on: a point interval
+    for method, score in (("none", 1.0), ("no-context", 0.0)):
+        ref = row(rows, benchmark="fidelity", method=method)
+        assert json.loads(ref["example_scores"]) == {"doc0/1500/256": score, "doc1/1500/256": score}
+        assert ref["n_examples"] == "2" and float(ref["ci_low"]) == float(ref["ci_high"]) == score
     assert (tmp_path / "lb" / "fidelity_score_vs_ratio.png").exists()
 
 

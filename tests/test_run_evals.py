@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
+import sqlite3
+from pathlib import Path
 
 import pytest
 from conftest import load_script
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +143,70 @@ def test_option_runs_carry_their_options_and_never_retire_default_runs(re_, tmp_
     assert re_.main([*argv, "--list"]) == 0 and "1 done" in capsys.readouterr().out  # the default run counts
     (folder / "results.json").write_text(json.dumps({"results": {}, "arckv_run": option_ids}))
     assert re_.main([*argv, "--list", "--option", "merge_rows=256"]) == 0 and "1 done" in capsys.readouterr().out
+
+
+def test_stored_tasks_are_the_groups_else_every_task(re_):
+    ruler = {"group_subtasks": {"ruler": ["niah_single_1", "vt"]}, "results": {"ruler": {}, "vt": {}}}
+    assert re_.stored_tasks(ruler) == ["ruler"]
+    longbench = {"group_subtasks": {}, "results": {"longbench_b": {}, "longbench_a": {}}}
+    assert re_.stored_tasks(longbench) == ["longbench_a", "longbench_b"]
+    metrics = re_.stored_metrics({"quality": {"acc,none": 0.5, "acc_stderr,none": "N/A", "alias": "q", "flag": True}})
+    assert metrics == {("quality", "acc,none"): 0.5}
+
+
+_STORED_RUN = REPO / "leaderboards" / "lm_eval" / "quality" / "am-omp_0.01"  # made before runs kept sample_scores.json
+
+
+def _stored_run_copy(tmp_path):
+    from arckv_press.tasks._common import resources
+
+    if not (resources.SHARED_DATA_DIR / "quality" / "leval_quality.jsonl").is_file():
+        pytest.skip("no shared QuALITY data")
+    if not (_STORED_RUN / "requests_rank0.db").is_file():
+        pytest.skip("the stored QuALITY run is not in this checkout")
+    folder = tmp_path / "quality" / "am-omp_0.01"
+    shutil.copytree(_STORED_RUN, folder)
+    (folder / "sample_scores.json").unlink(missing_ok=True)  # as the run was made (rescored since)
+    return folder
+
+
+def test_rescore_recovers_the_per_sample_scores_of_a_stored_run(re_, tmp_path):
+    """The committed QuALITY run (29 questions, no per-sample scores) is rescored from its own request
+    cache with no model: every question gets a score, and their mean is the stored accuracy."""
+    folder = _stored_run_copy(tmp_path)
+    stored = json.loads((folder / "results.json").read_text())["results"]["quality"]
+    re_.rescore(folder)
+    samples = json.loads((folder / "sample_scores.json").read_text())["quality"]
+    assert len(samples) == 29
+    for metric in ("acc", "acc_norm"):
+        values = [s[metric] for s in samples.values()]
+        assert set(values) <= {0.0, 1.0}
+        assert sum(values) / len(values) == pytest.approx(stored[f"{metric},none"], abs=1e-12)
+    committed = _STORED_RUN / "sample_scores.json"  # the rescore committed beside the run
+    if committed.is_file():
+        assert json.loads(committed.read_text())["quality"] == samples
+    # a second --rescore leaves a run that has its scores alone
+    assert re_.main(["--rescore", "--benchmarks", "quality", "--methods", "am-omp", "--ratios", "0.01",
+                     "--no-baselines", "--out", str(tmp_path)]) == 0
+
+
+def test_rescore_refuses_a_cache_without_every_answer(re_, tmp_path):
+    folder = _stored_run_copy(tmp_path)
+    with sqlite3.connect(folder / "requests_rank0.db") as db:
+        db.execute("DELETE FROM unnamed WHERE rowid = (SELECT min(rowid) FROM unnamed)")
+    with pytest.raises(ValueError, match="1 requests are not in the run's request cache"):
+        re_.rescore(folder)
+    assert not (folder / "sample_scores.json").exists()
+
+
+def test_rescore_refuses_cached_answers_that_score_otherwise(re_, tmp_path, capsys):
+    folder = _stored_run_copy(tmp_path)
+    data = json.loads((folder / "results.json").read_text())
+    data["results"]["quality"]["acc,none"] += 1 / 29
+    (folder / "results.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="not the stored .*nothing written"):
+        re_.rescore(folder)
+    assert not (folder / "sample_scores.json").exists()
+    assert re_.main(["--rescore", "--benchmarks", "quality", "--methods", "am-omp", "--ratios", "0.01",
+                     "--no-baselines", "--out", str(tmp_path)]) == 1
+    assert "nothing written" in capsys.readouterr().out

@@ -376,7 +376,9 @@ def read_fidelity(path: Path, common: dict[str, str]) -> list[dict]:
     """``scripts/bench_fidelity.py`` CSV -> one row per (model, method, ratio): 1 - mean damage.
 
     Rows whose damage is undefined (``nan``: the document did not help its continuation) are left
-    out; the full cache (1) and no context (0) are added per model as reference rows.
+    out; the full cache (1) and no context (0) are added per model as reference rows, with that
+    score on every document any method of the model was scored on (damage is defined by them, so
+    each document's value is exact and their interval a point).
     """
     rows = _case_rows(path, common, "fidelity", "continuation", "1-damage", lambda r: 1.0 - float(r["damage"]),
                       lambda r: f"doc{r['doc']}/{r['doc_tokens']}/{r['cont_tokens']}",
@@ -384,9 +386,11 @@ def read_fidelity(path: Path, common: dict[str, str]) -> list[dict]:
                       total=lambda rs: 1.0 - mean(float(r["damage"]) for r in rs))
     for model in sorted({r["model"] for r in rows}):
         date = max(r["date"] for r in rows if r["model"] == model)
+        docs = sorted({doc for r in rows if r["model"] == model for doc in json.loads(r["example_scores"])})
         for method, ratio, score in (("none", "1", 1.0), ("no-context", "0", 0.0)):
             rows.append({"model": model, "benchmark": "fidelity", "task": "continuation", "method": method,
                          "ratio": ratio, "score": score, "metric": "1-damage", "source": _source(path), "date": date,
+                         "example_scores": example_scores(dict.fromkeys(docs, score)), "n_examples": len(docs),
                          **common})
     return rows
 

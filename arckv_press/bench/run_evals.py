@@ -22,6 +22,7 @@ leaderboard.
     python scripts/run_evals.py --benchmarks ruler --limit 2                   # every method, 5 ratios
     python scripts/run_evals.py --benchmarks ruler quality --methods arckv snapkv --ratios 0.1
     python scripts/run_evals.py --list                                         # the plan and what is done
+    python scripts/run_evals.py --rescore     # per-sample scores of older runs, from their request caches
     python scripts/run_evals.py --benchmarks ruler --methods arckv-ha --ratios 0.1 \
         --option merge_rows=256 --out leaderboards/lm_eval_merge256           # a compaction option
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,6 +226,21 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[
     return data
 
 
+def cached_answers():
+    """An lm-eval model with no answers of its own: under ``use_cache`` every request must come from
+    a run's request cache, and one that does not is refused (``LookupError``), never answered."""
+    from lm_eval.api.model import LM
+
+    class CachedAnswers(LM):
+        def _refuse(self, requests):
+            raise LookupError(f"{len(requests)} requests are not in the run's request cache (its prompts changed "
+                              f"since the run); they are not answered anew")
+
+        loglikelihood = loglikelihood_rolling = generate_until = _refuse
+
+    return CachedAnswers()
+
+
 def write_sample_scores(path: Path, samples: dict) -> None:
     """Per-sample metric values of every task, ``{task: {doc_id: {metric: value}}}``, so that the
     leaderboard can give intervals and paired comparisons over examples; prompts and responses are
@@ -235,6 +252,55 @@ def write_sample_scores(path: Path, samples: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(out, sort_keys=True), encoding="utf-8")
     tmp.replace(path)
+
+
+def stored_tasks(data: dict) -> list[str]:
+    """The task names a finished run was started with: the top-level groups of its ``results.json``
+    (``ruler``), else every task it scored (``quality``, the ``longbench_*`` tasks)."""
+    groups = data.get("group_subtasks") or {}
+    if groups:
+        return [g for g in groups if not any(g in subs for subs in groups.values())]
+    return sorted(data.get("results") or {})
+
+
+def stored_metrics(results: dict) -> dict[tuple[str, str], float]:
+    """Every numeric metric of lm-eval's ``results`` by ``(task, metric)``, standard errors left out."""
+    return {(task, key): float(v) for task, values in results.items() for key, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and "stderr" not in key}
+
+
+def rescore(folder: Path) -> dict:
+    """Write ``sample_scores.json`` for a finished run made before runs kept it, from the run's own
+    request cache: lm-eval rebuilds the same prompts (the ``limit`` and ``metadata`` its
+    ``results.json`` stored) and takes every answer from the cache; a request the cache does not
+    hold is refused, never answered anew (:func:`cached_answers`). The rescored metrics must equal
+    the stored ones, else nothing is written (the prompts or the scoring changed since the run).
+    Returns the stored ``results.json``."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    data = json.loads((folder / "results.json").read_text(encoding="utf-8"))
+    config = data.get("config") or {}
+    if not (folder / "requests_rank0.db").exists():
+        raise ValueError(f"{folder} has no request cache (requests_rank0.db) to rescore from")
+    metadata = dict(config.get("metadata") or {})
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=dict(metadata))
+    try:
+        results = lm_eval.simple_evaluate(
+            model=cached_answers(), tasks=stored_tasks(data), limit=config.get("limit"), task_manager=manager,
+            metadata=metadata, use_cache=str(folder / "requests"), bootstrap_iters=0, log_samples=True,
+            random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+        )
+    except LookupError as e:
+        raise ValueError(f"{folder}: {e}") from None
+    stored, new = stored_metrics(data["results"]), stored_metrics(results["results"])
+    differ = sorted(k for k in stored if k not in new or not math.isclose(new[k], stored[k], rel_tol=1e-9, abs_tol=1e-12))
+    if differ:
+        task, metric = differ[0]
+        raise ValueError(f"{folder}: rescoring the cached answers gives {task} {metric} = {new.get((task, metric))}, "
+                         f"not the stored {stored[(task, metric)]} ({len(differ)} metrics differ); nothing written")
+    write_sample_scores(folder / "sample_scores.json", results.get("samples") or {})
+    return data
 
 
 def summary_line(data: dict) -> str:
@@ -264,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--list", action="store_true", help="print the plan and which runs are done, run nothing")
+    p.add_argument("--rescore", action="store_true",
+                   help="write sample_scores.json for finished runs of the plan that lack it, from each run's own "
+                        "request cache (no model is loaded; nothing is answered anew or moved)")
     add_option_argument(p)
     args = p.parse_args(argv)
 
@@ -279,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     from arckv_press.runinfo import CurrentIds
 
     runs = plan(args.benchmarks, args.methods, args.ratios, args.baselines)
+    if args.rescore:
+        return rescore_runs(runs, args.out)
     current, default = CurrentIds(DEFAULT_MODEL_ID, args.options), CurrentIds(DEFAULT_MODEL_ID)
     blank = dict.fromkeys(ID_KEYS, "")
     ids = {r: current(r.method, r.ratio) if r.method in METHODS else blank for r in runs}
@@ -313,6 +384,25 @@ def main(argv: list[str] | None = None) -> int:
         data = execute(run, args, model, tokenizer, None, ids[run])
         print(f"    {data['arckv_run']['seconds']:.0f}s  {summary_line(data)}", flush=True)
     return 0
+
+
+def rescore_runs(runs: list[Run], out: Path) -> int:
+    """``--rescore``: :func:`rescore` every finished run of ``runs`` under ``out`` that has no
+    ``sample_scores.json``; a run that cannot be rescored is reported and left as it is."""
+    from tqdm import tqdm
+
+    folders = [r.folder(out) for r in runs]
+    todo = [f for f in folders if (f / "results.json").exists() and not (f / "sample_scores.json").exists()]
+    print(f"{len(todo)} finished runs without per-sample scores", flush=True)
+    failed = []
+    for folder in tqdm(todo, desc="rescore", unit="run"):
+        try:
+            rescore(folder)
+        except ValueError as e:
+            failed.append(str(e))
+    for message in failed:
+        print(message, flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
