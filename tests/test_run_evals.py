@@ -210,3 +210,14 @@ def test_rescore_refuses_cached_answers_that_score_otherwise(re_, tmp_path, caps
     assert re_.main(["--rescore", "--benchmarks", "quality", "--methods", "am-omp", "--ratios", "0.01",
                      "--no-baselines", "--out", str(tmp_path)]) == 1
     assert "nothing written" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"config": {}}'])
+def test_rescore_refuses_a_damaged_results_file(re_, tmp_path, text):
+    """Checked before lm-eval is asked anything: no task data or cache is needed to refuse it."""
+    folder = tmp_path / "quality" / "am-omp_0.01"
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(text)
+    with pytest.raises(ValueError, match=r"results\.json (is not valid JSON|holds no lm-eval results)"):
+        re_.rescore(folder)
+    assert not (folder / "sample_scores.json").exists()

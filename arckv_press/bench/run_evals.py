@@ -279,7 +279,12 @@ def rescore(folder: Path) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    data = json.loads((folder / "results.json").read_text(encoding="utf-8"))
+    try:
+        data = json.loads((folder / "results.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{folder / 'results.json'} is not valid JSON ({e}); nothing written") from None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
+        raise ValueError(f"{folder / 'results.json'} holds no lm-eval results; nothing written")
     config = data.get("config") or {}
     if not (folder / "requests_rank0.db").exists():
         raise ValueError(f"{folder} has no request cache (requests_rank0.db) to rescore from")
