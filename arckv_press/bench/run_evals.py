@@ -182,9 +182,6 @@ def equivalent_command(run: Run, args, model_path: str | None) -> str:
 
 def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[str, str] | None = None) -> dict:
     """Run one (benchmark, method, ratio) and write its ``results.json``."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
     from arckv_press.lm_eval.model import HFArcKV
     from arckv_press.models import model_id
     from arckv_press.runinfo import machine_info
@@ -200,13 +197,8 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[
         max_length=args.max_length,
         **{f"press_{k}": v for k, v in run_options(run, options).items()},
     )
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=dict(metadata))
     t0 = time.perf_counter()
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=tasks, limit=limit, task_manager=manager, metadata=dict(metadata),
-        use_cache=str(folder / "requests"), bootstrap_iters=0, log_samples=True,
-        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
-    )
+    results = evaluate(lm, folder, tasks, limit, metadata)
     seconds = time.perf_counter() - t0
     write_sample_scores(folder / "sample_scores.json", results.get("samples") or {})
     keep = ("results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
@@ -224,6 +216,20 @@ def execute(run: Run, args, model, tokenizer, model_path: str | None, ids: dict[
     tmp.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
     tmp.replace(folder / "results.json")
     return data
+
+
+def evaluate(lm, folder: Path, tasks: list[str], limit: int | None, metadata: dict) -> dict:
+    """lm-eval on ``tasks`` with the settings of every run (seeds, no bootstrap, samples logged),
+    answers cached in ``folder``'s request cache; a run and its rescore share them."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=dict(metadata))
+    return lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, limit=limit, task_manager=manager, metadata=dict(metadata),
+        use_cache=str(folder / "requests"), bootstrap_iters=0, log_samples=True,
+        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+    )
 
 
 def cached_answers():
@@ -269,16 +275,13 @@ def stored_metrics(results: dict) -> dict[tuple[str, str], float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and "stderr" not in key}
 
 
-def rescore(folder: Path) -> dict:
+def rescore(folder: Path) -> None:
     """Write ``sample_scores.json`` for a finished run made before runs kept it, from the run's own
     request cache: lm-eval rebuilds the same prompts (the ``limit`` and ``metadata`` its
     ``results.json`` stored) and takes every answer from the cache; a request the cache does not
     hold is refused, never answered anew (:func:`cached_answers`). The rescored metrics must equal
     the stored ones, else nothing is written (the prompts or the scoring changed since the run).
-    Returns the stored ``results.json``."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
+    """
     try:
         data = json.loads((folder / "results.json").read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -288,14 +291,9 @@ def rescore(folder: Path) -> dict:
     config = data.get("config") or {}
     if not (folder / "requests_rank0.db").exists():
         raise ValueError(f"{folder} has no request cache (requests_rank0.db) to rescore from")
-    metadata = dict(config.get("metadata") or {})
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=dict(metadata))
     try:
-        results = lm_eval.simple_evaluate(
-            model=cached_answers(), tasks=stored_tasks(data), limit=config.get("limit"), task_manager=manager,
-            metadata=metadata, use_cache=str(folder / "requests"), bootstrap_iters=0, log_samples=True,
-            random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
-        )
+        results = evaluate(cached_answers(), folder, stored_tasks(data), config.get("limit"),
+                           config.get("metadata") or {})
     except LookupError as e:
         raise ValueError(f"{folder}: {e}") from None
     stored, new = stored_metrics(data["results"]), stored_metrics(results["results"])
@@ -305,7 +303,6 @@ def rescore(folder: Path) -> dict:
         raise ValueError(f"{folder}: rescoring the cached answers gives {task} {metric} = {new.get((task, metric))}, "
                          f"not the stored {stored[(task, metric)]} ({len(differ)} metrics differ); nothing written")
     write_sample_scores(folder / "sample_scores.json", results.get("samples") or {})
-    return data
 
 
 def summary_line(data: dict) -> str:
