@@ -111,6 +111,31 @@ def test_block_witnesses_equal_brute_force_argmax():
     torch.testing.assert_close(rows[valid], anchor_witnesses(Q, K, anchors, valid, 0.3)[valid])
 
 
+def test_stats_do_not_depend_on_the_row_block():
+    """The row block (``ReferenceStats.block``, a speed setting) changes no discrete choice: the same
+    anchors, the same witness rows for them, and the same scores and row targets up to float rounding."""
+    q, k, v, doc = _layout(seed=5, c=70)
+    Q = q.reshape(2, -1, 16)
+    K = k[:, doc[0]:doc[1]]
+    ref = _stats(q, k, v, doc, block=64)
+    anchors, valid = topk_anchors(ref.scores, torch.tensor([9, 13]))
+    want = block_witnesses(Q, K, anchors, 0.3, ref.rows("row_lse"), ref.witness_pos, ref.block, ref.G)
+    for block in (5, 16, 32):
+        st = _stats(q, k, v, doc, block=block)
+        torch.testing.assert_close(st.scores, ref.scores, atol=0, rtol=1e-6)
+        for name in ("row_max", "row_lse", "row_out"):
+            torch.testing.assert_close(st.rows(name), ref.rows(name), atol=1e-6, rtol=0)
+        assert torch.equal(topk_anchors(st.scores, torch.tensor([9, 13]))[0], anchors)
+        got = block_witnesses(Q, K, anchors, 0.3, st.rows("row_lse"), st.witness_pos, st.block, st.G)
+        assert torch.equal(got, want), block
+
+
+def test_stats_refuse_a_block_that_is_not_a_positive_int():
+    for bad, err in ((0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError)):
+        with pytest.raises(err, match="block"):
+            ReferenceStats(1, 1, 4, 4, 2, block=bad)
+
+
 def test_block_witness_ties_go_to_lowest_position_then_query_head():
     """Two rows give an anchor the same log-probability: the lower position wins, and among the
     query heads of one position the lower head."""
@@ -279,6 +304,40 @@ def test_fused_repeat_prefill_equals_separate_passes_on_the_model(default_model_
         torch.testing.assert_close(st.rows("row_lse"), torch.logsumexp(L, -1), atol=1e-4, rtol=0)
         if i == 11:
             torch.testing.assert_close(vi.stats[11].scores, vi_scores(Q, K, V, scaling), atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.model
+def test_stats_block_changes_nothing_on_the_model(default_model_fp32):
+    """On real captured layers of the default model, statistics swept 64 rows at a time (the block
+    before) and 32 (the default) pick the same anchors and the same witness rows, with equal row
+    targets and scores equal to float rounding."""
+    from arckv_press.capture import encode_document, framing_for, prefill, repeat_prefill_stats
+    from arckv_press.haystack import load_haystack
+
+    model, tok = default_model_fp32
+    doc = tok.decode(tok.encode(load_haystack(None)[:6000], add_special_tokens=False)[:300])
+    ids, P = encode_document(tok, doc)
+    layers = [0, 11, 29]
+    with torch.inference_mode():
+        cache = prefill(model, ids)
+        suffix = framing_for(tok).suffix_ids
+        runs = {b: repeat_prefill_stats(model, tok, cache, ids[:, P:], suffix, layers, P, "ha", "rms", None, 128,
+                                        block=b) for b in (64, None)}
+    assert runs[None].stats[0].block == 32
+    scaling = float(model.model.layers[0].self_attn.scaling)
+    for i in layers:
+        old, new = runs[64].stats[i], runs[None].stats[i]
+        Q = group_queries_by_kv_head(torch.cat(runs[64].store.q[i], 1)[None], 3)
+        K = cache.layers[i].keys[0, :, P:]
+        torch.testing.assert_close(new.scores, old.scores, atol=0, rtol=1e-5)
+        for name in ("row_max", "row_lse", "row_out"):
+            torch.testing.assert_close(new.rows(name), old.rows(name), atol=1e-6, rtol=0)
+        for t in (3, 15, 30):
+            anchors, _ = topk_anchors(old.scores, torch.full((3,), t))
+            assert torch.equal(topk_anchors(new.scores, torch.full((3,), t))[0], anchors)
+            assert torch.equal(
+                block_witnesses(Q, K, anchors, scaling, new.rows("row_lse"), new.witness_pos, new.block, new.G),
+                block_witnesses(Q, K, anchors, scaling, old.rows("row_lse"), old.witness_pos, old.block, old.G))
 
 
 def test_stats_capture_restores_attention_and_refuses_a_wrong_cache(tiny_model, tiny_tokenizer, monkeypatch):

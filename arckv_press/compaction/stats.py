@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checks import check_positive_int
 from .select import POOLINGS, RowPool, value_influence
 
 __all__ = ["DocBlock", "ReferenceStats", "causal_part", "split_attention", "STAT_SELECTORS"]
@@ -191,7 +192,7 @@ class ReferenceStats:
     pooling: str = "rms"
     device: torch.device | str = "cpu"
     eps: float = 1e-6
-    block: int = 64
+    block: int = 32  # rows per block: keeps the [H, G * block, T] probabilities small enough for the caches
     pool: RowPool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -199,6 +200,7 @@ class ReferenceStats:
             raise ValueError(f"selector must be one of {STAT_SELECTORS}, got {self.selector!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        check_positive_int(self.block, "block")
         H, G, N, T = self.H, self.G, self.N, self.T
         self.pool = RowPool(self.pooling)
         self.witness_p = torch.full((H, T), -1.0, device=self.device)

@@ -501,7 +501,7 @@ class ValueAwareIndexer(nn.Module):
 
     @torch.no_grad()
     def scores(self, layer: int, X: Tensor, Q: Tensor, K: Tensor, V: Tensor, pooling: str = "rms",
-               block_rows: int = 64, block_T: int = 32768, base: bool = False,
+               block_rows: int = 32, block_T: int = 32768, base: bool = False,
                base_scale: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Context-level scores ``s [H, T]`` (paper Eq. (indexer_pooling)), computed blockwise.
 
