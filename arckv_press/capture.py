@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from arckv_press.compaction.checks import check_positive_int
 from arckv_press.compaction.stats import ReferenceStats, causal_part, split_attention
 
 __all__ = [
@@ -169,9 +170,9 @@ class StatsCapture:
     """
 
     def __init__(self, model, layers: list[int], prefix_len: int, doc_len: int, selector: str = "ha",
-                 pooling: str = "rms", x_positions: torch.Tensor | None = None, block: int | None = None):
+                 pooling: str = "rms", x_positions: torch.Tensor | None = None, block: int = ReferenceStats.block):
         self.model, self.layers = model, list(layers)
-        self.block = block  # rows per statistics block (None: ReferenceStats' default)
+        self.block = check_positive_int(block, "block")  # query rows per statistics block
         self.prefix_len, self.doc_len = prefix_len, doc_len
         self.selector, self.pooling = selector, pooling
         self.x_positions = None if x_positions is None else _check_positions(x_positions, doc_len)
@@ -235,9 +236,8 @@ class StatsCapture:
         idx = module.layer_idx
         stats = self.stats.get(idx)
         if stats is None:
-            extra = {} if self.block is None else {"block": self.block}
             stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len, self.doc_len, value.shape[-1],
-                                                     self.selector, self.pooling, query.device, **extra)
+                                                     self.selector, self.pooling, query.device, block=self.block)
         V_doc = value[0, :, lo:hi]
         off = c - n
         new = causal_part(q, key[0, :, hi:], value[0, :, hi:], scaling)     # None off the CPU: blockwise below
@@ -346,14 +346,14 @@ def repeat_prefill_stats(
     x_positions: torch.Tensor | None = None,
     chunk_size: int = 2048,
     progress=None,
-    block: int | None = None,
+    block: int = ReferenceStats.block,
 ) -> StatsCapture:
     """The repeat-prefill of :func:`repeat_prefill` capturing every document position, with the
     reference statistics of :mod:`arckv_press.compaction.stats` gathered by the forward's own
     attention (:class:`StatsCapture`). ``cache`` holds ``prefix_len`` prefix tokens and the document;
     it is restored afterwards. Returns the capture: ``stats[layer]`` and ``store`` (queries, and the
     ``q_proj`` inputs at ``x_positions``), rows in position order. ``block``: query rows per block
-    of the statistics (``None``: :class:`~arckv_press.compaction.stats.ReferenceStats`' default)."""
+    of the statistics (:class:`~arckv_press.compaction.stats.ReferenceStats`' default)."""
     if cache.get_seq_length() != prefix_len + doc_ids.shape[-1]:
         raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, expected prefix {prefix_len} + "
                          f"document {doc_ids.shape[-1]}")

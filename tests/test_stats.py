@@ -14,6 +14,7 @@ from arckv_press.compaction.fit import FitConfig, fit_beta, fit_values, full_att
 from arckv_press.compaction.layer import LayerMethod, compact_layer, compact_layer_from_stats
 from arckv_press.compaction.reference import group_queries_by_kv_head, grouped_rows
 from arckv_press.compaction.select import global_budgets, ha_scores, topk_anchors, vi_scores
+from arckv_press.capture import StatsCapture
 from arckv_press.compaction.stats import DocBlock, ReferenceStats, causal_part, split_attention
 from arckv_press.compaction.witness import anchor_witnesses, block_witnesses, head_fit_rows
 
@@ -134,6 +135,8 @@ def test_stats_refuse_a_block_that_is_not_a_positive_int():
     for bad, err in ((0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError)):
         with pytest.raises(err, match="block"):
             ReferenceStats(1, 1, 4, 4, 2, block=bad)
+        with pytest.raises(err, match="block"):  # the capture refuses it before any forward
+            StatsCapture(None, [0], 0, 4, block=bad)
 
 
 def test_block_witness_ties_go_to_lowest_position_then_query_head():
@@ -321,8 +324,8 @@ def test_stats_block_changes_nothing_on_the_model(default_model_fp32):
     with torch.inference_mode():
         cache = prefill(model, ids)
         suffix = framing_for(tok).suffix_ids
-        runs = {b: repeat_prefill_stats(model, tok, cache, ids[:, P:], suffix, layers, P, "ha", "rms", None, 128,
-                                        block=b) for b in (64, None)}
+        args = (model, tok, cache, ids[:, P:], suffix, layers, P, "ha", "rms", None, 128)
+        runs = {64: repeat_prefill_stats(*args, block=64), None: repeat_prefill_stats(*args)}
     assert runs[None].stats[0].block == 32
     scaling = float(model.model.layers[0].self_attn.scaling)
     for i in layers:
