@@ -367,6 +367,11 @@ def test_all_finite_matches_isfinite(dtype):
             y = x.clone()
             y[where] = bad
             assert not all_finite(y) and not bool(torch.isfinite(y).all())
+    # finite entries whose sum overflows to inf: the sum's fast path must not refuse them
+    big = torch.full((4, 8), torch.finfo(dtype).max / 2, dtype=dtype)
+    assert not bool(torch.isfinite(big.sum())) and all_finite(big) and all_finite(-big)
+    big[1, 2] = float("nan")
+    assert not all_finite(big)
 
 
 def test_check_ratio_is_the_one_kept_fraction_validator():

@@ -37,8 +37,12 @@ def hidden_slots(valid: torch.Tensor) -> torch.Tensor | None:
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """No NaN or inf in ``x``: its minimum and maximum (one pass, NaN propagates) are finite."""
+    """No NaN or inf in ``x``. A NaN or inf entry makes the sum NaN or inf, so a finite sum (one
+    vectorised reduction) proves it; a sum that is not finite may also have overflowed, and then the
+    minimum and maximum decide (NaN propagates through both)."""
     if x.numel() == 0:
+        return True
+    if bool(torch.isfinite(x.sum())):
         return True
     lo, hi = torch.aminmax(x)
     return bool(torch.isfinite(lo) & torch.isfinite(hi))

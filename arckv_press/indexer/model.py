@@ -69,6 +69,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from arckv_press.compaction.checks import all_finite
 from arckv_press.compaction.select import value_influence
 
 __all__ = [
@@ -259,13 +260,15 @@ def value_context(p: dict[str, Tensor], Q: Tensor, K: Tensor, V: Tensor, scale: 
     """Value context ``c_i`` of paper Eq. (value_context), ``[H, n, d_A]``.
 
     Blocks over cache positions with an online softmax (running max and denominator), so
-    memory is ``O(n * block_T)`` whatever ``T``. ``kv`` optionally passes precomputed
+    memory is ``O(n * block_T)`` whatever ``T``; with one block (``block_T >= T``) a plain softmax. ``kv`` optionally passes precomputed
     :func:`value_keys`.
     """
     qa = torch.einsum("had,hnd->hna", p["U_q"], Q) * scale  # [H, n, dA]
     ka_all, va_all = value_keys(p, K, V) if kv is None else kv
     T = K.shape[1]
     block_T = T if block_T is None else block_T
+    if block_T >= T:  # one block: the fused softmax (the same sums, one pass fewer)
+        return torch.softmax(qa @ ka_all.transpose(1, 2), dim=-1) @ va_all
     m = l = acc = None
     for j0 in range(0, T, block_T):
         ka, va = ka_all[:, j0:j0 + block_T], va_all[:, j0:j0 + block_T]  # [H, b, dA]
@@ -387,7 +390,7 @@ def _check_tensor(name: str, t: Any, ndim: int) -> None:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must be floating point, got {t.dtype}")
-    if not torch.isfinite(t).all():
+    if not all_finite(t):
         raise ValueError(f"{name} contains NaN or inf")
 
 
