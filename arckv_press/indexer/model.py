@@ -260,8 +260,8 @@ def value_context(p: dict[str, Tensor], Q: Tensor, K: Tensor, V: Tensor, scale: 
     """Value context ``c_i`` of paper Eq. (value_context), ``[H, n, d_A]``.
 
     Blocks over cache positions with an online softmax (running max and denominator), so
-    memory is ``O(n * block_T)`` whatever ``T``; with one block (``block_T >= T``) a plain softmax. ``kv`` optionally passes precomputed
-    :func:`value_keys`.
+    memory is ``O(n * block_T)`` whatever ``T``; with one block (``block_T >= T``) a plain softmax.
+    ``kv`` optionally passes precomputed :func:`value_keys`.
     """
     qa = torch.einsum("had,hnd->hna", p["U_q"], Q) * scale  # [H, n, dA]
     ka_all, va_all = value_keys(p, K, V) if kv is None else kv
