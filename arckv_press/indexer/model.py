@@ -69,7 +69,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from arckv_press.compaction.checks import all_finite
+from arckv_press.compaction.checks import check_float
 from arckv_press.compaction.select import value_influence
 
 __all__ = [
@@ -267,7 +267,7 @@ def value_context(p: dict[str, Tensor], Q: Tensor, K: Tensor, V: Tensor, scale: 
     ka_all, va_all = value_keys(p, K, V) if kv is None else kv
     T = K.shape[1]
     block_T = T if block_T is None else block_T
-    if block_T >= T:  # one block: the fused softmax (the same sums, one pass fewer)
+    if block_T >= T:  # one block: the fused softmax (equal to the online one up to rounding)
         return torch.softmax(qa @ ka_all.transpose(1, 2), dim=-1) @ va_all
     m = l = acc = None
     for j0 in range(0, T, block_T):
@@ -383,17 +383,6 @@ def layer_logits(p: dict[str, Tensor], cfg: IndexerConfig, X: Tensor, Q: Tensor,
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_tensor(name: str, t: Any, ndim: int) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be floating point, got {t.dtype}")
-    if not all_finite(t):
-        raise ValueError(f"{name} contains NaN or inf")
-
-
 def _check_block(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -474,7 +463,7 @@ class ValueAwareIndexer(nn.Module):
         self._check_layer(layer)
         cfg = self.config
         for name, t in (("X", X), ("Q", Q), ("K", K), ("V", V)):
-            _check_tensor(name, t, 2 if name == "X" else 3)
+            check_float(t, name, 2 if name == "X" else 3)
         H, D = cfg.num_kv_heads, cfg.head_dim
         if Q.shape[0] != H or Q.shape[2] != D:
             raise ValueError(f"Q must be [H={H}, n, D={D}], got {tuple(Q.shape)} (layer {layer})")
