@@ -28,8 +28,14 @@ any attention function that does not know the layout fail loudly on the shape.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import json
 import math
+import os
+import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +43,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-__all__ = ["CompactLayer", "CompactCache", "cache_nbytes", "cache_snapshot", "pack_heads", "restore_cache", "unpack_heads"]
-
-_FORMAT_VERSION = 1
+__all__ = ["CacheFileError", "CacheMetadata", "CompactLayer", "CompactCache", "cache_nbytes", "cache_snapshot", "check_metadata",
+           "check_save_target", "pack_heads", "restore_cache", "unpack_heads"]
 
 
 def pack_heads(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,18 +357,453 @@ def restore_cache(cache: Cache, snapshot: list[dict]) -> None:
         layer.__dict__.update(state)
 
 
+class CacheFileError(ValueError):
+    """A saved compact cache that is refused, or a save target that cannot be written.
+
+    The message names the file and what is wrong with it (the tensor, header field, metadata field
+    or layer); ``path`` holds the file. A ``ValueError``, so callers that catch bad input as
+    ``ValueError`` catch it too.
+    """
+
+    def __init__(self, path: str | Path, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = Path(path)
+        self.problem = problem
+
+
 @dataclass
 class CacheMetadata:
-    """What a saved compact cache records about how it was built."""
+    """What a saved compact cache records about how it was built (checked field by field at load)."""
 
     model_id: str
     config_hash: str
     method: str
     ratio: float
-    original_length: int
+    original_length: int  # context tokens: the verbatim prefix rows plus the compacted document (span)
     package_version: str
     extra: dict | None = None
-    weights_fingerprint: str | None = None  # models.weights_fingerprint; None in files saved before it
+    weights_fingerprint: str | None = None  # models.weights_fingerprint; None: the load refuses unless told
+
+
+# ---------------------------------------------------------------------------------- the file format
+# A saved cache is one safetensors file. Tensors: per compacted layer i ``i.ck``, ``i.cv``, ``i.beta``,
+# ``i.lengths``, ``i.fixed_k``, ``i.fixed_v``; per ordinary layer ``i.k``, ``i.v``. Header fields
+# (strings): ``format`` (the version below), ``metadata`` (JSON of CacheMetadata), ``layers`` (JSON
+# list, one entry per model layer) and ``digests`` (JSON: a SHA-256 per tensor, over its name, dtype,
+# shape and bytes, and per header field). Format 1 (no digests) is refused.
+_FORMAT_VERSION = 2
+_HEADER_FIELDS = ("format", "metadata", "layers", "digests")
+_DIGESTED_HEADER_FIELDS = ("format", "metadata", "layers")
+_LAYER_FIELDS = {"compact": ("kind", "span"), "dynamic": ("kind",), "sliding": ("kind", "window", "cumulative_length")}
+_LAYER_TENSORS = {"compact": ("ck", "cv", "beta", "lengths", "fixed_k", "fixed_v"), "dynamic": ("k", "v"),
+                  "sliding": ("k", "v")}
+_TENSOR_NAMES = {"ck": "C_k", "cv": "C_v", "beta": "beta", "lengths": "lengths", "fixed_k": "fixed_k (verbatim prefix keys)",
+                 "fixed_v": "fixed_v (verbatim prefix values)", "k": "keys", "v": "values"}
+_HEX64 = frozenset("0123456789abcdef")
+
+
+def _tensor_digest(name: str, tensor: torch.Tensor) -> str:
+    """SHA-256 (hex) over a tensor's name, dtype, shape and raw bytes."""
+    digest = hashlib.sha256(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode("utf-8"))
+    digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _field_digest(name: str, value: str) -> str:
+    return hashlib.sha256(json.dumps([name, value]).encode("utf-8")).hexdigest()
+
+
+def _digests(tensors: dict[str, torch.Tensor], header: dict[str, str]) -> dict[str, dict[str, str]]:
+    return {
+        "tensors": {name: _tensor_digest(name, t) for name, t in sorted(tensors.items())},
+        "header": {name: _field_digest(name, header[name]) for name in _DIGESTED_HEADER_FIELDS},
+    }
+
+
+def _describe_tensor(name: str) -> str:
+    layer, _, field = name.partition(".")
+    return f"tensor {name!r} (layer {layer}'s {_TENSOR_NAMES.get(field, field)})"
+
+
+def _is_hex64(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX64
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _json_field(path: Path, header: dict[str, str], field: str, kind: type) -> Any:
+    """The header field ``field`` parsed as strict JSON (no NaN / Infinity) of type ``kind``."""
+    try:
+        value = json.loads(header[field], parse_constant=_refuse_constant)
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise CacheFileError(path, f"header field {field!r} is not valid JSON ({e})") from None
+    if not isinstance(value, kind):
+        raise CacheFileError(path, f"header field {field!r} must be a JSON {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def check_metadata(fields: Any, path: str | Path = "<metadata>") -> CacheMetadata:
+    """Validate a saved cache's metadata (a dict, as stored) and return it as :class:`CacheMetadata`.
+
+    Every field is checked for presence, type and range; an unknown field is refused (a newer
+    version of the package bumps the file format instead). Raises :class:`CacheFileError` naming
+    ``path`` and the field.
+    """
+    from arckv_press.compaction.checks import check_ratio
+    from arckv_press.methods import COMPACTION_METHODS
+
+    if not isinstance(fields, dict):
+        raise CacheFileError(path, f"metadata must be a JSON object, got {type(fields).__name__}")
+    known = {f.name: f for f in dataclasses.fields(CacheMetadata)}
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise CacheFileError(
+            path, f"unknown metadata field(s) {unknown}: format {_FORMAT_VERSION} files carry only {sorted(known)} "
+            "(the file was edited, or written by another version of arckv-press)"
+        )
+    missing = [n for n, f in known.items() if n not in fields and f.default is dataclasses.MISSING]
+    if missing:
+        raise CacheFileError(path, f"metadata field(s) {missing} missing")
+
+    def bad(field: str, want: str) -> CacheFileError:
+        return CacheFileError(path, f"metadata field {field!r} must be {want}, got {fields[field]!r}")
+
+    for name in ("model_id", "package_version"):
+        if not isinstance(fields[name], str) or not fields[name]:
+            raise bad(name, "a non-empty string")
+    if not _is_hex64(fields["config_hash"]):
+        raise bad("config_hash", "64 lowercase hex digits (models.config_hash)")
+    if fields["method"] not in COMPACTION_METHODS:
+        raise bad("method", f"one of the compaction methods {list(COMPACTION_METHODS)}")
+    try:
+        check_ratio(fields["ratio"])
+    except (TypeError, ValueError) as e:
+        raise CacheFileError(path, f"metadata field 'ratio': {e}") from None
+    if not _is_int(fields["original_length"]) or fields["original_length"] < 1:
+        raise bad("original_length", "an int >= 1")
+    extra = fields.get("extra")
+    if extra is not None and not isinstance(extra, dict):
+        raise bad("extra", "a JSON object or null")
+    if extra is not None and "prefix_length" in extra:
+        prefix = extra["prefix_length"]
+        if not _is_int(prefix) or not 0 <= prefix < fields["original_length"]:
+            raise CacheFileError(
+                path, f"metadata field 'extra.prefix_length' must be an int in [0, original_length "
+                f"{fields['original_length']}), got {prefix!r}"
+            )
+    fingerprint = fields.get("weights_fingerprint")
+    if fingerprint is not None and not _is_hex64(fingerprint):
+        raise bad("weights_fingerprint", "64 lowercase hex digits (models.weights_fingerprint) or null")
+    return CacheMetadata(**fields)
+
+
+# ------------------------------------------------------------------------------------------- saving
+def check_save_target(path: str | Path) -> Path:
+    """Refuse a save target that :meth:`CompactCache.save` would not write: a missing folder, a
+    symbolic link, a device node, a FIFO or a folder (only a regular file is ever replaced). Cheap:
+    call it before a long compaction. Returns ``path`` as a ``Path``; raises :class:`CacheFileError`."""
+    path = Path(path)
+    parent = path.parent
+    if not parent.is_dir():
+        raise CacheFileError(path, f"cannot save here: the folder {str(parent)!r} does not exist or is not a folder")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as e:
+        raise CacheFileError(path, f"cannot save here: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CacheFileError(
+            path, f"cannot save over a symbolic link (to {os.readlink(path)!r}): saving replaces a regular file and "
+            "never a link; save to the link's target or to another name"
+        )
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("folder" if stat.S_ISDIR(st.st_mode) else "device node" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "special file")
+        raise CacheFileError(path, f"cannot save over a {kind}: only a regular file is replaced")
+    return path
+
+
+def _partial_prefix(path: Path) -> str:
+    return f".{path.name}.tmp."
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid() or os.name != "posix":  # ours (another thread's save), or no safe probe
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: the process exists, owned by someone else
+        return True
+    return True
+
+
+def _remove_stale_partials(path: Path) -> None:
+    """Delete ``.<name>.tmp.<pid>.<hex>`` partials of ``path`` left by a save whose process is gone."""
+    prefix = _partial_prefix(path)
+    with os.scandir(path.parent) as entries:
+        for entry in entries:
+            if not entry.name.startswith(prefix):
+                continue
+            pid = entry.name[len(prefix):].split(".", 1)[0]
+            if pid.isdigit() and not _pid_alive(int(pid)) and not entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a partial beside ``path`` and rename it over ``path`` (a kill leaves either
+    the old file or the new one). A new file gets mode 0666 minus the umask; a file replaced keeps
+    its permission bits."""
+    _remove_stale_partials(path)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = None
+    tmp = path.with_name(f"{_partial_prefix(path)}{os.getpid()}.{secrets.token_hex(4)}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(tmp, flags, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+                if mode is not None:
+                    os.chmod(f.fileno() if os.chmod in os.supports_fd else tmp, mode)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise CacheFileError(path, f"cannot save: {e.strerror or e}") from e
+    if os.name == "posix":  # make the rename durable (best effort)
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+
+# ------------------------------------------------------------------------------------------ loading
+def _read_file(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Header fields and every tensor (on the CPU) of a safetensors file; any failure to parse it is a
+    :class:`CacheFileError`."""
+    from safetensors import safe_open
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no compact cache at {path}") from None
+    except OSError as e:
+        raise CacheFileError(path, f"cannot read it: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CacheFileError(path, "not a regular file, so not a saved compact cache")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # SafetensorError, OSError, an unsupported dtype, ...: all mean a bad file
+        raise CacheFileError(path, f"not a readable safetensors file ({type(e).__name__}: {e})") from e
+    return header, tensors
+
+
+def _check_format(path: Path, header: dict[str, str]) -> None:
+    if "metadata" not in header or "layers" not in header:
+        raise CacheFileError(path, "not an arckv-press compact cache (its header has no 'metadata' and 'layers')")
+    version = header.get("format")
+    if version is None:
+        raise CacheFileError(path, "header field 'format' (the file format version) is missing")
+    if not (version.isascii() and version.isdigit()):
+        raise CacheFileError(path, f"header field 'format' must be a version number, got {version!r}")
+    version = int(version)
+    if version > _FORMAT_VERSION:
+        extra = sorted(set(header) - set(_HEADER_FIELDS))
+        with contextlib.suppress(ValueError, TypeError):
+            meta = json.loads(header["metadata"])
+            extra += [f"metadata.{n}" for n in sorted(set(meta) - {f.name for f in dataclasses.fields(CacheMetadata)})]
+        fields = f", with field(s) {extra} this version does not know" if extra else ""
+        raise CacheFileError(
+            path, f"written by a newer version of arckv-press (file format {version}{fields}); this version reads "
+            f"format {_FORMAT_VERSION}: upgrade arckv-press to load it"
+        )
+    if version < _FORMAT_VERSION:
+        why = " (before saved caches carried integrity digests)" if version == 1 else ""
+        raise CacheFileError(
+            path, f"file format {version}{why} is no longer read (this version reads format {_FORMAT_VERSION}): "
+            "compact the document again"
+        )
+    unknown = sorted(set(header) - set(_HEADER_FIELDS))
+    if unknown:
+        raise CacheFileError(path, f"unknown header field(s) {unknown} for file format {_FORMAT_VERSION}")
+    if "digests" not in header:
+        raise CacheFileError(path, "header field 'digests' is missing: the file cannot be verified")
+
+
+def _check_digests(path: Path, header: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
+    stored = _json_field(path, header, "digests", dict)
+    if set(stored) != {"tensors", "header"} or not all(isinstance(stored[k], dict) for k in stored):
+        raise CacheFileError(path, "header field 'digests' must hold the objects 'tensors' and 'header'")
+    if set(stored["header"]) != set(_DIGESTED_HEADER_FIELDS):
+        raise CacheFileError(path, f"header field 'digests' must hold a digest of each of {list(_DIGESTED_HEADER_FIELDS)}")
+    missing, unexpected = sorted(set(stored["tensors"]) - set(tensors)), sorted(set(tensors) - set(stored["tensors"]))
+    if missing or unexpected:
+        raise CacheFileError(
+            path, f"the tensors differ from those recorded at save: missing {missing}, not recorded {unexpected}"
+        )
+    for name in _DIGESTED_HEADER_FIELDS:
+        if stored["header"][name] != _field_digest(name, header[name]):
+            raise CacheFileError(
+                path, f"header field {name!r} differs from the digest recorded at save: the file was changed or "
+                "corrupted after it was saved"
+            )
+    for name in sorted(tensors):
+        if stored["tensors"][name] != _tensor_digest(name, tensors[name]):
+            raise CacheFileError(
+                path, f"{_describe_tensor(name)} differs from the digest recorded at save (bytes, dtype or shape): "
+                "the file was changed or corrupted after it was saved"
+            )
+
+
+def _check_model(path: Path, meta: CacheMetadata, model, check_weights: bool, allow_missing_fingerprint: bool) -> None:
+    from arckv_press.models import config_hash, model_id, weights_fingerprint
+
+    want_id, want_hash = model_id(model), config_hash(model.config)
+    if meta.config_hash != want_hash:
+        raise CacheFileError(
+            path, f"was built for model {meta.model_id!r} (config hash {meta.config_hash[:12]}), not for {want_id!r} "
+            f"(config hash {want_hash[:12]}); rebuild it with this model"
+        )
+    if not check_weights:
+        return
+    if meta.weights_fingerprint is None:
+        if allow_missing_fingerprint:
+            return
+        raise CacheFileError(
+            path, "records no weights fingerprint (metadata field 'weights_fingerprint' is null), so it cannot be "
+            f"checked against the weights of {want_id!r}; pass allow_missing_fingerprint=True to load it anyway"
+        )
+    have = weights_fingerprint(model)
+    if have != meta.weights_fingerprint:
+        raise CacheFileError(
+            path, f"was built for model {meta.model_id!r} with other weights (fingerprint "
+            f"{meta.weights_fingerprint[:12]}) than {want_id!r} has ({have[:12]}), though the architecture matches; "
+            "rebuild it with this model"
+        )
+
+
+def _check_tensor(path: Path, t: dict[str, torch.Tensor], i: int, field: str, ndim: int, dtype=None,
+                  finite: bool = True) -> torch.Tensor:
+    """``t[field]`` of layer ``i`` with ``ndim`` dims, of ``dtype`` (any floating dtype if None) and,
+    with ``finite``, no NaN or inf (CompactLayer checks its packed tensors itself, naming the head)."""
+    from arckv_press.compaction.checks import all_finite
+
+    x, what = t[field], f"layer {i}: {_TENSOR_NAMES[field]}"
+    if x.ndim != ndim:
+        raise CacheFileError(path, f"{what} must have {ndim} dims, got shape {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise CacheFileError(path, f"{what} must be {dtype}, got {x.dtype}")
+    if dtype is None and not x.is_floating_point():
+        raise CacheFileError(path, f"{what} must be a floating tensor, got {x.dtype}")
+    if finite and x.is_floating_point() and not all_finite(x):
+        raise CacheFileError(path, f"{what} contains NaN or inf")
+    return x
+
+
+def _build_layers(path: Path, kinds: list, tensors: dict[str, torch.Tensor], meta: CacheMetadata, model) -> list:
+    """Validate the layer list against the model, the tensors against the layer list and against each
+    other (shapes, dtypes, finiteness, span, lengths, original length), and build the layers."""
+    from arckv_press.models import describe_attention_layout
+
+    layout = describe_attention_layout(model)
+    if len(kinds) != layout.num_layers:
+        raise CacheFileError(path, f"header field 'layers' lists {len(kinds)} layers; the model has {layout.num_layers}")
+    expected = set()
+    for i, kind in enumerate(kinds):
+        name = kind.get("kind") if isinstance(kind, dict) else None
+        if name not in _LAYER_FIELDS:
+            raise CacheFileError(path, f"layers[{i}]: kind must be one of {list(_LAYER_FIELDS)}, got {kind!r}")
+        if set(kind) != set(_LAYER_FIELDS[name]):
+            raise CacheFileError(path, f"layers[{i}]: a {name!r} layer has the fields {list(_LAYER_FIELDS[name])}, got {sorted(kind)}")
+        for field in _LAYER_FIELDS[name][1:]:
+            if not _is_int(kind[field]) or kind[field] < 1:
+                raise CacheFileError(path, f"layers[{i}].{field} must be an int >= 1, got {kind[field]!r}")
+        sliding = layout.layer_types[i] == "sliding_attention"
+        if sliding != (name == "sliding"):
+            raise CacheFileError(
+                path, f"layers[{i}] is a {name!r} layer but the model's layer {i} is {layout.layer_types[i]}"
+            )
+        if sliding and kind["window"] != layout.sliding_window:
+            raise CacheFileError(path, f"layers[{i}].window is {kind['window']}; the model's sliding window is {layout.sliding_window}")
+        expected |= {f"{i}.{field}" for field in _LAYER_TENSORS[name]}
+    if set(tensors) != expected:
+        raise CacheFileError(
+            path, f"the tensors do not match the layer list: missing {sorted(expected - set(tensors))}, "
+            f"unexpected {sorted(set(tensors) - expected)}"
+        )
+    prefix = (meta.extra or {}).get("prefix_length")
+    H, D, L = layout.num_kv_heads, layout.head_dim, meta.original_length
+    device = next(model.parameters()).device
+    layers: list[CacheLayerMixin] = []
+    for i, kind in enumerate(kinds):
+        t = {field: tensors[f"{i}.{field}"] for field in _LAYER_TENSORS[kind["kind"]]}
+        if kind["kind"] == "compact":
+            lengths = _check_tensor(path, t, i, "lengths", 1, torch.int64)
+            ck, cv = _check_tensor(path, t, i, "ck", 2, finite=False), _check_tensor(path, t, i, "cv", 2, finite=False)
+            _check_tensor(path, t, i, "beta", 1, torch.float32, finite=False)
+            fk, fv = _check_tensor(path, t, i, "fixed_k", 4), _check_tensor(path, t, i, "fixed_v", 4)
+            if lengths.shape != (H,):
+                raise CacheFileError(path, f"layer {i}: lengths has {lengths.numel()} entries; the model has {H} KV heads")
+            if ck.shape[1] != D or cv.dtype != ck.dtype or fk.dtype != ck.dtype or fv.dtype != ck.dtype:
+                raise CacheFileError(
+                    path, f"layer {i}: C_k / C_v / fixed rows must share one dtype and head_dim {D}, got C_k "
+                    f"{tuple(ck.shape)} {ck.dtype}, C_v {cv.dtype}, fixed_k {fk.dtype}, fixed_v {fv.dtype}"
+                )
+            if fk.shape != fv.shape or fk.shape[:2] != (1, H) or fk.shape[3] != D:
+                raise CacheFileError(
+                    path, f"layer {i}: fixed_k / fixed_v must both be [1, {H}, F, {D}], got {tuple(fk.shape)} and {tuple(fv.shape)}"
+                )
+            n_fixed, span = fk.shape[2], kind["span"]
+            if span + n_fixed != L:
+                raise CacheFileError(
+                    path, f"layers[{i}].span is {span}; with {n_fixed} verbatim prefix rows it must be original_length "
+                    f"- {n_fixed} = {L - n_fixed}"
+                )
+            if prefix is not None and n_fixed != prefix:
+                raise CacheFileError(path, f"layer {i} holds {n_fixed} verbatim prefix rows; metadata extra.prefix_length is {prefix}")
+            if meta.ratio == 1.0 and bool((lengths != span).any()):
+                raise CacheFileError(path, f"layer {i}: lengths {lengths.tolist()} at ratio 1.0 must all be the span {span}")
+            try:
+                layers.append(CompactLayer(ck.to(device), t["beta"].to(device), cv.to(device), lengths.to(device), span,
+                                           i, fk.to(device), fv.to(device)))
+            except ValueError as e:
+                raise CacheFileError(path, str(e)) from None
+            continue
+        k, v = _check_tensor(path, t, i, "k", 4), _check_tensor(path, t, i, "v", 4)
+        rows = L if kind["kind"] == "dynamic" else min(L, kind["window"] - 1)
+        if k.shape != v.shape or k.dtype != v.dtype or k.shape != (1, H, rows, D):
+            raise CacheFileError(
+                path, f"layer {i}: keys / values must both be [1, {H}, {rows}, {D}] of one dtype, got {tuple(k.shape)} "
+                f"{k.dtype} and {tuple(v.shape)} {v.dtype}"
+            )
+        if kind["kind"] == "sliding" and kind["cumulative_length"] != L:
+            raise CacheFileError(path, f"layers[{i}].cumulative_length is {kind['cumulative_length']}; original_length is {L}")
+        layer = DynamicSlidingWindowLayer(kind["window"]) if kind["kind"] == "sliding" else DynamicLayer()
+        layer.update(k.to(device), v.to(device))
+        if kind["kind"] == "sliding":
+            layer.cumulative_length = kind["cumulative_length"]
+        layers.append(layer)
+    return layers
 
 
 class CompactCache(Cache):
@@ -371,7 +811,8 @@ class CompactCache(Cache):
 
     Layers that are not compacted (e.g. Gemma-3 sliding-window layers) stay ordinary
     ``DynamicLayer``/``DynamicSlidingWindowLayer``. Use it as ``past_key_values`` with a model whose
-    attention was switched with :func:`arckv_press.attention.enable_compact_attention`.
+    attention was switched with :func:`arckv_press.attention.enable_compact_attention` (``compact``
+    and :meth:`load` do that).
     """
 
     def __init__(self, layers: list[CacheLayerMixin], metadata: CacheMetadata | None = None):
@@ -400,11 +841,21 @@ class CompactCache(Cache):
 
     # ---------------------------------------------------------------- save / load
     def save(self, path: str | Path) -> None:
-        """Save to one safetensors file (tensors + JSON metadata in its header)."""
-        from safetensors.torch import save_file
+        """Save to one safetensors file (tensors, JSON metadata and a SHA-256 digest of each tensor
+        and header field in its header).
 
+        Only a regular file is replaced (a symbolic link, device node or folder is refused: see
+        :func:`check_save_target`), atomically: the file is written beside the target as
+        ``.<name>.tmp.<pid>.<hex>`` and renamed over it; partials left by a killed save are removed
+        on the next save to the same target. A new file gets mode 0666 minus the umask, a replaced
+        file keeps its mode.
+        """
+        from safetensors.torch import save
+
+        path = check_save_target(path)
         if self.metadata is None:
             raise ValueError("this CompactCache has no metadata (model id, config hash); build it with compact()")
+        meta = check_metadata(dict(self.metadata.__dict__), "this CompactCache's metadata")
         tensors: dict[str, torch.Tensor] = {}
         kinds = []
         for i, layer in enumerate(self.layers):
@@ -412,76 +863,52 @@ class CompactCache(Cache):
                 if layer.batch_size != 1:
                     raise ValueError("only a batch-size-1 compact cache can be saved")
                 kinds.append({"kind": "compact", "span": layer.span})
-                tensors[f"{i}.ck"], tensors[f"{i}.cv"] = layer.ck.contiguous(), layer.cv.contiguous()
-                tensors[f"{i}.beta"], tensors[f"{i}.lengths"] = layer.beta.contiguous(), layer.lengths.contiguous()
-                tensors[f"{i}.fixed_k"] = layer._new_k.contiguous()
-                tensors[f"{i}.fixed_v"] = layer._new_v.contiguous()
+                tensors[f"{i}.ck"], tensors[f"{i}.cv"] = layer.ck, layer.cv
+                tensors[f"{i}.beta"], tensors[f"{i}.lengths"] = layer.beta, layer.lengths
+                tensors[f"{i}.fixed_k"], tensors[f"{i}.fixed_v"] = layer._new_k, layer._new_v
             else:
-                kind = {"kind": "sliding", "window": layer.sliding_window} if getattr(layer, "is_sliding", False) else {
-                    "kind": "dynamic"
-                }
                 if getattr(layer, "is_sliding", False):
-                    kind["cumulative_length"] = layer.cumulative_length
-                kinds.append(kind)
-                tensors[f"{i}.k"], tensors[f"{i}.v"] = layer.keys.contiguous(), layer.values.contiguous()
+                    kinds.append({"kind": "sliding", "window": layer.sliding_window,
+                                  "cumulative_length": layer.cumulative_length})
+                else:
+                    kinds.append({"kind": "dynamic"})
+                tensors[f"{i}.k"], tensors[f"{i}.v"] = layer.keys, layer.values
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         header = {
             "format": str(_FORMAT_VERSION),
-            "metadata": json.dumps(self.metadata.__dict__),
+            "metadata": json.dumps(meta.__dict__, allow_nan=False),
             "layers": json.dumps(kinds),
         }
-        save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(path), metadata=header)
+        header["digests"] = json.dumps(_digests(tensors, header))
+        _write_atomic(path, save(tensors, metadata=header))
 
     @classmethod
-    def load(cls, path: str | Path, model, check_weights: bool = True) -> "CompactCache":
-        """Load a cache saved by :meth:`save` for ``model``; refuses a cache built for another model.
+    def load(
+        cls, path: str | Path, model, check_weights: bool = True, allow_missing_fingerprint: bool = False
+    ) -> "CompactCache":
+        """Load a cache saved by :meth:`save` for ``model`` and switch ``model`` to the compact
+        attention (:func:`arckv_press.attention.enable_compact_attention`), so the cache can be used
+        as it is.
 
-        Another architecture is refused by :func:`~arckv_press.models.config_hash`; another model of
-        the same architecture (e.g. the base model of an instruct tune) by
-        :func:`~arckv_press.models.weights_fingerprint` (``check_weights=False`` skips that check,
-        for a deliberately converted model).
+        Refused, with a :class:`CacheFileError` naming the file and what is wrong: a file that is
+        not a regular safetensors file; another file format version (a newer one says so); a tensor
+        or header field that differs from the SHA-256 digest recorded at save; metadata with a
+        missing, unknown or out-of-range field; a layer list or tensors that disagree with the model
+        (layer count and kinds, KV heads, head dim) or with each other (span, lengths, original
+        length, prefix rows); NaN or inf in any stored tensor; a cache built for another
+        architecture (:func:`~arckv_press.models.config_hash`) or for other weights of the same
+        architecture (:func:`~arckv_press.models.weights_fingerprint`; ``check_weights=False`` skips
+        that check, for a deliberately converted model). A file recording no weights fingerprint is
+        refused unless ``allow_missing_fingerprint=True``.
         """
-        from safetensors import safe_open
-
-        from arckv_press.models import config_hash, model_id, weights_fingerprint
+        from arckv_press.attention import enable_compact_attention
 
         path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"no compact cache at {path}")
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            if "metadata" not in header or "layers" not in header:
-                raise ValueError(f"{path} is not an arckv-press compact cache (missing metadata)")
-            meta = CacheMetadata(**json.loads(header["metadata"]))
-            want_id, want_hash = model_id(model), config_hash(model.config)
-            if meta.config_hash != want_hash:
-                raise ValueError(
-                    f"{path} was built for model {meta.model_id!r} (config hash {meta.config_hash[:12]}), "
-                    f"not for {want_id!r} (config hash {want_hash[:12]}); rebuild it with this model"
-                )
-            if check_weights and meta.weights_fingerprint is not None:
-                have = weights_fingerprint(model)
-                if have is not None and have != meta.weights_fingerprint:
-                    raise ValueError(
-                        f"{path} was built for model {meta.model_id!r} with other weights (fingerprint "
-                        f"{meta.weights_fingerprint}) than {want_id!r} has ({have}), though the architecture "
-                        "matches; rebuild it with this model"
-                    )
-            device = next(model.parameters()).device
-            layers: list[CacheLayerMixin] = []
-            for i, kind in enumerate(json.loads(header["layers"])):
-                t = {k.split(".", 1)[1]: f.get_tensor(k).to(device) for k in f.keys() if k.split(".", 1)[0] == str(i)}
-                if kind["kind"] == "compact":
-                    layers.append(
-                        CompactLayer(
-                            t["ck"], t["beta"], t["cv"], t["lengths"], kind["span"], i, t["fixed_k"], t["fixed_v"]
-                        )
-                    )
-                else:
-                    layer = (
-                        DynamicSlidingWindowLayer(kind["window"]) if kind["kind"] == "sliding" else DynamicLayer()
-                    )
-                    layer.update(t["k"], t["v"])
-                    if kind["kind"] == "sliding":
-                        layer.cumulative_length = kind["cumulative_length"]
-                    layers.append(layer)
+        header, tensors = _read_file(path)
+        _check_format(path, header)
+        _check_digests(path, header, tensors)
+        meta = check_metadata(_json_field(path, header, "metadata", dict), path)
+        _check_model(path, meta, model, check_weights, allow_missing_fingerprint)
+        layers = _build_layers(path, _json_field(path, header, "layers", list), tensors, meta, model)
+        enable_compact_attention(model)
         return cls(layers, meta)

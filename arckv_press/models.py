@@ -257,24 +257,25 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
-def weights_fingerprint(model: Any) -> str | None:
-    """12 hex digits of a SHA-256 over the first attention layer's ``k_proj`` and ``v_proj`` weights.
+def weights_fingerprint(model: Any) -> str:
+    """SHA-256 (64 hex digits) over every parameter of ``model``: its name, shape and bytes.
 
     :func:`config_hash` cannot tell apart two models of one architecture (a base model and its
-    instruct tune); a compact cache holds keys and values of one of them only, so saved caches
-    record this too. The weights are rounded to bfloat16 first, so float32 and bfloat16 loads of
-    the same checkpoint agree. ``None`` for a model without ``k_proj`` / ``v_proj`` linears (then
-    nothing is compared).
+    instruct tune, or a model with one layer, the queries, the MLP or the embeddings changed); a
+    compact cache holds keys and values computed with all of them, so saved caches record this
+    too. Floating parameters are rounded to bfloat16 first (bfloat16 ones are hashed as they are),
+    so float32 and bfloat16 loads of the same checkpoint agree; a change below bfloat16's precision
+    is therefore not seen. Tied parameters count once (``named_parameters``).
     """
-    for module in model.modules():
-        k_proj, v_proj = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
-        if isinstance(k_proj, torch.nn.Linear) and isinstance(v_proj, torch.nn.Linear):
-            digest = hashlib.sha256()
-            for weight in (k_proj.weight, v_proj.weight):
-                rounded = weight.detach().to(device="cpu", dtype=torch.bfloat16).view(torch.int16)
-                digest.update(rounded.contiguous().numpy().tobytes())
-            return digest.hexdigest()[:12]
-    return None
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        data = param.detach()
+        if data.is_floating_point() and data.dtype != torch.bfloat16:
+            data = data.to(torch.bfloat16)
+        data = data.to("cpu").contiguous().reshape(-1)
+        digest.update(json.dumps([name, list(param.shape), str(data.dtype)]).encode("utf-8"))
+        digest.update(data.view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def _json_default(value: Any) -> Any:

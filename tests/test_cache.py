@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from arckv_press.attention import compact_attention, compact_attention_forward, enable_compact_attention
-from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, pack_heads, unpack_heads
+from arckv_press.cache import CacheFileError, CacheMetadata, CompactCache, CompactLayer, pack_heads, unpack_heads
 
 
 def identity_cache(dyn: DynamicCache, prefix: int = 0) -> CompactCache:
@@ -231,7 +231,7 @@ def test_bad_input(change, message):
 
 
 def test_save_load_roundtrip(tiny_model, tmp_path):
-    from arckv_press.models import config_hash, model_id
+    from arckv_press.models import config_hash, model_id, weights_fingerprint
 
     model = tiny_model("llama", num_layers=2)
     other = tiny_model("qwen3", num_layers=2)
@@ -247,7 +247,8 @@ def test_save_load_roundtrip(tiny_model, tmp_path):
             layer.ck[:-4], torch.randn(layer.ck.shape[0] - 4), layer.cv[:-4], layer.lengths - torch.tensor([0, 4]),
             layer.span, 0, layer._new_k, layer._new_v,
         )
-        cache.metadata = CacheMetadata(model_id(model), config_hash(model.config), "test", 1.0, 30, "0")
+        cache.metadata = CacheMetadata(model_id(model), config_hash(model.config), "arckv-ha", 0.9, 30, "0",
+                                       extra={"prefix_length": 2}, weights_fingerprint=weights_fingerprint(model))
         path = tmp_path / "c.arckv"
         cache.save(path)
         loaded = CompactCache.load(path, model)
@@ -256,13 +257,16 @@ def test_save_load_roundtrip(tiny_model, tmp_path):
         b = model(q, past_key_values=loaded).logits
     assert torch.equal(a, b)
     assert loaded.layers[0].lengths.tolist() == [28, 24]
-    with pytest.raises(ValueError, match="was built for model"):
+    assert loaded.metadata == cache.metadata
+    with pytest.raises(CacheFileError, match="was built for model"):
         CompactCache.load(path, other)
 
 
 def test_weights_fingerprint_tells_apart_same_architecture_models(tiny_model, tmp_path):
-    """Same config, other weights (a base model and its tune): the saved cache is refused unless
-    ``check_weights=False``; a bf16 load of the same weights matches; files without it still load."""
+    """Same config, other weights (a base model and its tune, or any one parameter changed: another
+    layer, the queries, the MLP, the embeddings, a norm): the saved cache is refused unless
+    ``check_weights=False``; a bf16 load of the same weights matches; a file without a fingerprint
+    is refused unless the caller opts out by name."""
     from arckv_press.models import config_hash, model_id, weights_fingerprint
 
     model, retrained = tiny_model("llama", num_layers=2, seed=0), tiny_model("llama", num_layers=2, seed=1)
@@ -270,29 +274,31 @@ def test_weights_fingerprint_tells_apart_same_architecture_models(tiny_model, tm
     assert weights_fingerprint(model) != weights_fingerprint(retrained)
     halved = tiny_model("llama", num_layers=2, seed=0).to(torch.bfloat16)
     assert weights_fingerprint(halved) == weights_fingerprint(model)
-    nudged = tiny_model("llama", num_layers=2, seed=0)
-    with torch.no_grad():  # one weight of the *last* layer: the fingerprint reads the first layer only
-        nudged.model.layers[-1].self_attn.k_proj.weight[0, 0] += 1.0
-    assert weights_fingerprint(nudged) == weights_fingerprint(model)
-    with torch.no_grad():
-        nudged.model.layers[0].self_attn.v_proj.weight[0, 0] += 1.0
-    assert weights_fingerprint(nudged) != weights_fingerprint(model)
+    names = [name for name, _ in model.named_parameters()]
+    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight", "model.norm.weight", names[-1]):
+        nudged = tiny_model("llama", num_layers=2, seed=0)
+        with torch.no_grad():
+            dict(nudged.named_parameters())[name].view(-1)[-1] += 1.0
+        assert weights_fingerprint(nudged) != weights_fingerprint(model), name
 
     with torch.no_grad():
         dyn = DynamicCache(config=model.config)
         model(torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(0)), past_key_values=dyn)
     cache = identity_cache(dyn, prefix=2)
-    path, old_style = tmp_path / "c.arckv", tmp_path / "old.arckv"
-    cache.metadata = CacheMetadata(model_id(model), config_hash(model), "test", 1.0, 20, "0",
+    path, unchecked = tmp_path / "c.arckv", tmp_path / "unchecked.arckv"
+    cache.metadata = CacheMetadata(model_id(model), config_hash(model), "arckv-ha", 1.0, 20, "0",
                                    weights_fingerprint=weights_fingerprint(model))
     cache.save(path)
     CompactCache.load(path, model)
-    with pytest.raises(ValueError, match="with other weights"):
+    with pytest.raises(CacheFileError, match="with other weights"):
         CompactCache.load(path, retrained)
     assert CompactCache.load(path, retrained, check_weights=False).layers[0].lengths.tolist() == [18, 18]
-    cache.metadata = CacheMetadata(model_id(model), config_hash(model), "test", 1.0, 20, "0")
-    cache.save(old_style)
-    CompactCache.load(old_style, retrained)
+    cache.metadata = CacheMetadata(model_id(model), config_hash(model), "arckv-ha", 1.0, 20, "0")
+    cache.save(unchecked)
+    with pytest.raises(CacheFileError, match="no weights fingerprint.*allow_missing_fingerprint=True"):
+        CompactCache.load(unchecked, model)
+    assert CompactCache.load(unchecked, retrained, allow_missing_fingerprint=True).layers[1].span == 18
 
 
 def test_default_attention_rejects_compact_working_copy(tiny_model):
