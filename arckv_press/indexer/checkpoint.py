@@ -13,6 +13,12 @@ A checkpoint is a directory with two files:
 :func:`load_indexer` refuses a checkpoint trained for another base model: an indexer is tied
 to the keys, values and activations of one frozen model (paper Sec. 3.5).
 Shipped checkpoints live in ``arckv_press/indexer/weights/<model id with '/' -> '--'>/``.
+
+Training resume states (:func:`save_resume_state` / :func:`read_resume_state`) are safetensors
+files too: the tensors (parameters, AdamW moments) as entries, everything else (stage, epoch,
+metrics, the optimizer's and scheduler's plain settings) as JSON in the header, with the run
+fingerprint beside it. Nothing the package reads is a pickle, so no file can run code when it is
+loaded, and the fingerprint is checked from the header before any tensor is read.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +49,9 @@ __all__ = [
     "read_metadata",
     "default_indexer_path",
     "checkpoint_id",
+    "RESUME_FORMAT",
+    "save_resume_state",
+    "read_resume_state",
 ]
 
 FORMAT_VERSION = 1
@@ -258,3 +268,119 @@ def checkpoint_id(path: str | Path) -> str:
         digest.update(json.dumps([name, entry["dtype"], entry["shape"]]).encode())
         digest.update(data[lo:hi])
     return digest.hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------------------------
+# Training resume states: safetensors + JSON (no pickle)
+# ----------------------------------------------------------------------------------------------
+
+#: ``format`` entry of a resume state's safetensors header.
+RESUME_FORMAT = "arckv-indexer-resume"
+RESUME_FORMAT_VERSION = 1
+_TENSOR, _TUPLE, _DICT = "__tensor__", "__tuple__", "__dict__"
+
+
+def _encode_state(obj: Any, tensors: dict[str, Tensor], where: str) -> Any:
+    """JSON form of ``obj`` (tensors moved into ``tensors``); only plain data is accepted."""
+    if isinstance(obj, Tensor):
+        name = f"t{len(tensors)}"
+        tensors[name] = obj.detach().cpu().contiguous().clone()  # no shared storage in the file
+        return {_TENSOR: name}
+    if obj is None or isinstance(obj, (bool, int, float, str)):  # NaN / inf: JSON's NaN / Infinity
+        return obj
+    if isinstance(obj, (list, tuple)):
+        items = [_encode_state(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return {_TUPLE: items} if isinstance(obj, tuple) else items
+    if isinstance(obj, dict):
+        pairs = []
+        for k, v in obj.items():
+            if isinstance(k, bool) or not isinstance(k, (int, str)):
+                raise TypeError(f"resume state: {where} has a key of type {type(k).__name__}; only int and str keys are stored")
+            pairs.append([k, _encode_state(v, tensors, f"{where}[{k!r}]")])
+        return {_DICT: pairs}
+    raise TypeError(f"resume state: {where} is a {type(obj).__name__}; only tensors, numbers, strings, None, "
+                    "lists, tuples and dicts are stored")
+
+
+def _decode_state(obj: Any, tensors: dict[str, Tensor], where: str, source: str) -> Any:
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{source}: resume state field {where}: {what}")
+
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, list):
+        return [_decode_state(v, tensors, f"{where}[{i}]", source) for i, v in enumerate(obj)]
+    if not isinstance(obj, dict) or len(obj) != 1:
+        raise bad(f"expected a value, a list or one of {_TENSOR}/{_TUPLE}/{_DICT}, got {str(obj)[:80]}")
+    (kind, value), = obj.items()
+    if kind == _TENSOR:
+        if not isinstance(value, str) or value not in tensors:
+            raise bad(f"names tensor {value!r}, which the file does not hold")
+        return tensors[value]
+    if kind == _TUPLE and isinstance(value, list):
+        return tuple(_decode_state(v, tensors, f"{where}[{i}]", source) for i, v in enumerate(value))
+    if kind == _DICT and isinstance(value, list):
+        out = {}
+        for pair in value:
+            if (not isinstance(pair, list) or len(pair) != 2 or isinstance(pair[0], bool)
+                    or not isinstance(pair[0], (int, str))):
+                raise bad(f"a dict entry must be [int or str key, value], got {str(pair)[:80]}")
+            out[pair[0]] = _decode_state(pair[1], tensors, f"{where}[{pair[0]!r}]", source)
+        return out
+    raise bad(f"unknown entry {kind!r}")
+
+
+def save_resume_state(path: str | Path, state: dict[str, Any], fingerprint: str) -> Path:
+    """Write a training resume state (plain data and tensors only) to the safetensors file
+    ``path`` atomically (a temporary file beside it, then a rename), with ``fingerprint`` in the
+    header. Raises ``TypeError`` for anything else (say an object that only pickle could store)."""
+    from safetensors.torch import save_file
+
+    if not isinstance(state, dict):
+        raise TypeError(f"a resume state must be a dict, got {type(state).__name__}")
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise ValueError(f"fingerprint must be a non-empty string, got {fingerprint!r}")
+    tensors: dict[str, Tensor] = {}
+    tree = _encode_state(state, tensors, "state")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": RESUME_FORMAT, "format_version": str(RESUME_FORMAT_VERSION),
+                                           "fingerprint": fingerprint, "state": json.dumps(tree)})
+    os.replace(tmp, path)
+    return path
+
+
+def read_resume_state(path: str | Path, fingerprint: str | None = None) -> dict[str, Any]:
+    """The resume state saved by :func:`save_resume_state` at ``path``.
+
+    The header is read first: a file that is not a safetensors resume state (a pickle, say), of
+    a newer format version or, when ``fingerprint`` is given, of another run is refused with a
+    ``ValueError`` naming the file before any tensor is read. Nothing in the file is executed.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != RESUME_FORMAT:
+                raise ValueError(f"{path} is not an arckv-press resume state (header format "
+                                 f"{meta.get('format')!r}, expected {RESUME_FORMAT!r})")
+            version = meta.get("format_version", "")
+            if not version.isdigit() or int(version) > RESUME_FORMAT_VERSION:
+                raise ValueError(f"{path}: resume state format_version {version!r} is not one this version "
+                                 f"reads (up to {RESUME_FORMAT_VERSION}); upgrade arckv-press or delete the file")
+            if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+                raise ValueError(f"{path} belongs to another run (fingerprint {meta.get('fingerprint')} != "
+                                 f"{fingerprint}); use another --shard-dir or delete it")
+            try:
+                tree = json.loads(meta.get("state", ""))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: the resume state's JSON is damaged ({err})") from err
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as err:
+        raise ValueError(f"{path} is not a readable safetensors resume state ({err})") from err
+    state = _decode_state(tree, tensors, "state", str(path))
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: the resume state is a {type(state).__name__}, expected a dict")
+    return state

@@ -16,8 +16,9 @@ different machines with any job launcher and merged at the end)::
     python scripts/train_indexer.py --merge
 
 Shard directory (``--shard-dir``, default ``<cache>/indexer-shards/<model dir>``): per layer
-``layer_XX.state.pt`` (resume state after every epoch: parameters, AdamW and scheduler state,
-metrics) and, when the layer is done, ``layer_XX.safetensors`` (the layer's parameters, its
+``layer_XX.state.safetensors`` (resume state after every epoch: parameters, AdamW and scheduler
+state, metrics; safetensors with the plain fields as JSON in its header, never a pickle, so a
+crafted file cannot run code: :func:`arckv_press.indexer.checkpoint.read_resume_state`) and, when the layer is done, ``layer_XX.safetensors`` (the layer's parameters, its
 held-out error curves ``error_curves [H, F]`` for the budget weights, and metadata). Every file
 carries a *run fingerprint* (hash of the pool files, indexer config, training config and curve
 settings); resuming or merging with other settings is refused instead of mixing runs.
@@ -59,7 +60,7 @@ import torch
 from arckv_press.compaction.fit import FitConfig
 
 from .budget import DEFAULT_FRACTIONS, DEFAULT_RATIOS, budget_weights_from_curves, error_curves
-from .checkpoint import WEIGHTS_DIR, model_dir_name, save_indexer
+from .checkpoint import WEIGHTS_DIR, model_dir_name, read_resume_state, save_indexer, save_resume_state
 from .data import (
     SQUAD_TRAIN_FILE,
     ContextSpec,
@@ -169,6 +170,11 @@ def layer_shard_path(shard_dir: str | Path, layer: int) -> Path:
 
 
 def layer_state_path(shard_dir: str | Path, layer: int) -> Path:
+    return Path(shard_dir) / f"layer_{layer:02d}.state.safetensors"
+
+
+def _legacy_state_path(shard_dir: str | Path, layer: int) -> Path:
+    """The pickle resume state of earlier versions: refused, never opened."""
     return Path(shard_dir) / f"layer_{layer:02d}.state.pt"
 
 
@@ -179,19 +185,20 @@ def default_shard_dir(model: Any, cache_dir: str | Path | None = None) -> Path:
     return root / "indexer-shards" / model_dir_name(model_id(model))
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def read_shard(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(tensors, metadata)`` of a finished layer shard."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads((f.metadata() or {}).get("arckv_shard", "{}"))
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("arckv_shard", "{}"))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as err:
+        raise ValueError(f"{path} is not a readable safetensors layer shard ({err})") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: the layer shard's metadata is not JSON ({err})") from err
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: the layer shard's metadata is not a JSON object")
     return tensors, meta
 
 
@@ -234,6 +241,27 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def _checked_resume(saved: dict[str, Any], path: Path, indexer: ValueAwareIndexer, layer: int
+                    ) -> tuple[dict[str, Any], float]:
+    """``(train_layer resume state, seconds trained before)`` of a read resume file, its fields
+    and parameter shapes checked (a ``ValueError`` naming the file and the field otherwise)."""
+    state, elapsed = saved.get("state"), saved.get("elapsed", 0.0)
+    if not isinstance(state, dict) or isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)):
+        raise ValueError(f"{path}: a resume file holds {{'state': dict, 'elapsed': seconds}}, got keys {sorted(saved)}")
+    fields = {"layer": int, "seed": int, "n_pools": int, "stage": int, "epoch": int, "params": dict, "metrics": list}
+    for name, kind in fields.items():
+        if isinstance(state.get(name), bool) or not isinstance(state.get(name), kind):
+            raise ValueError(f"{path}: resume state field {name!r} must be a {kind.__name__}, "
+                             f"got {type(state.get(name)).__name__}")
+    expected = indexer.layer_params(layer)
+    for name, value in expected.items():
+        got = state["params"].get(name)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(value.shape):
+            raise ValueError(f"{path}: resume state parameter {name!r} must be a tensor of shape "
+                             f"{tuple(value.shape)}, got {getattr(got, 'shape', type(got).__name__)}")
+    return state, float(elapsed)
+
+
 def train_shard(model: Any, pool_paths: Sequence[str | Path], shard_dir: str | Path,
                 settings: RunSettings = RunSettings(), layers: Sequence[int] | None = None,
                 progress: bool = True, max_epochs: int | None = None) -> list[int]:
@@ -271,18 +299,19 @@ def train_shard(model: Any, pool_paths: Sequence[str | Path], shard_dir: str | P
         pools = load_layer_pools(pool_paths, layer)
         indexer = ValueAwareIndexer(cfg, seed=settings.init_seed)
         state_file = layer_state_path(shard_dir, layer)
+        legacy = _legacy_state_path(shard_dir, layer)
+        if legacy.exists():
+            raise ValueError(f"{legacy} is a resume state in the pickle format of earlier versions, which "
+                             "arckv-press no longer reads (unpickling a file can run code); delete it to train "
+                             f"layer {layer} from its start")
         resume, prior = None, 0.0
         if state_file.is_file():
-            saved = torch.load(state_file, weights_only=False)
-            if saved.get("fingerprint") != fp:
-                raise ValueError(f"{state_file} belongs to another run (fingerprint "
-                                 f"{saved.get('fingerprint')} != {fp}); use another --shard-dir or delete it")
-            resume, prior = saved["state"], float(saved.get("elapsed", 0.0))
+            saved = read_resume_state(state_file, fp)  # the fingerprint is checked before any tensor is read
+            resume, prior = _checked_resume(saved, state_file, indexer, layer)
             _log(f"layer {layer}: resuming at stage {resume['stage']} epoch {resume['epoch']}")
 
         def on_epoch_end(state: dict[str, Any], layer: int = layer, state_file: Path = state_file) -> None:
-            _atomic_torch_save({"fingerprint": fp, "state": state,
-                                "elapsed": prior + time.perf_counter() - t0}, state_file)
+            save_resume_state(state_file, {"state": state, "elapsed": prior + time.perf_counter() - t0}, fp)
             m = state["metrics"][-1]
             _log(f"layer {layer} {m['stage']} epoch {m['epoch']}: " + ", ".join(
                 f"{k}={v:.4g}" for k, v in m.items() if isinstance(v, float)))
