@@ -154,7 +154,7 @@ def test_stored_tasks_are_the_groups_else_every_task(re_):
     assert metrics == {("quality", "acc,none"): 0.5}
 
 
-_STORED_RUN = REPO / "leaderboards" / "lm_eval" / "quality" / "am-omp_0.01"  # made before runs kept sample_scores.json
+_STORED_RUN = REPO / "leaderboards" / "runs" / "lm_eval" / "quality" / "am-omp_0.01"  # made before runs kept sample_scores.json
 
 
 def _stored_run_copy(tmp_path):

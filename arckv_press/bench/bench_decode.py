@@ -32,7 +32,7 @@ ones behind a mask, so they hold the full size).
     python scripts/bench_decode.py --quick
     python scripts/bench_decode.py --batch 1 4 16 64 --contexts 1024 4096 16384 32768
 
-Writes ``leaderboards/bench_decode.csv`` (one row per B, T, rho).
+Writes ``leaderboards/studies/bench_decode.csv`` (one row per B, T, rho).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import torch
 from arckv_press.bench import ROOT
 from arckv_press.runinfo import append_rows, median_seconds, print_header, run_meta
 
-DEFAULT_OUT = ROOT / "leaderboards" / "bench_decode.csv"
+DEFAULT_OUT = ROOT / "leaderboards" / "studies" / "bench_decode.csv"
 FIELDS = [
     "batch", "context", "ratio", "t_max", "appended", "dtype", "full_ms", "compact_ms", "compact_over_full", "pruned_ms", "compact_over_pruned",
     "inputs_ms", "compact_attn_ms", "expanded_ms", "expanded_over_compact", "full_bytes", "compact_bytes", "expanded_bytes",

@@ -21,7 +21,7 @@ not depend on the model's question-answering skill, which is what matters on a 1
 ``--split dev`` measures on development documents instead: slices of the *first* half of the essays
 after its first 16,384 tokens (beyond every needle / RULER haystack, which start at the beginning
 of the file, and disjoint from the reported second half), written to
-``leaderboards/fidelity_dev.csv``. Defaults that depend on the kept fraction are chosen there, never
+``leaderboards/studies/fidelity_dev.csv``. Defaults that depend on the kept fraction are chosen there, never
 on the reported documents. ``--option KEY=VALUE`` sets a ``CompactionConfig`` field of the ARC-KV /
 Attention Matching methods (e.g. ``lambda_m=0.5``); its rows carry that option's ``config_id``.
 
@@ -54,7 +54,7 @@ from arckv_press.runinfo import (
 )
 
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_fidelity.csv"
-DEV_OUT = ROOT / "leaderboards" / "fidelity_dev.csv"
+DEV_OUT = ROOT / "leaderboards" / "studies" / "fidelity_dev.csv"
 DEV_SKIP_TOKENS = 16384  # the dev documents start this far into the first half (past every haystack)
 DEFAULT_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha", "snapkv", "kvzip",
                    "expected_attention", "knorm", "streaming_llm")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(first half, after 16,384 tokens) for choosing defaults")
     add_option_argument(p)
     p.add_argument("--out", type=Path, default=None, help="CSV (default leaderboards/bench_fidelity.csv; "
-                   "with --split dev leaderboards/fidelity_dev.csv)")
+                   "with --split dev leaderboards/studies/fidelity_dev.csv)")
     args = p.parse_args(argv)
     args.out = args.out or (DEV_OUT if args.split == "dev" else DEFAULT_OUT)
     quick = QUICK if args.quick else {}

@@ -17,7 +17,7 @@ full time for each mode. Compaction time is reported but not part of the answeri
 
     python scripts/bench_questions.py --method arckv-ha --ratio 0.1 --tokens 2000 --questions 16
 
-Writes one row per (cache, mode) to ``leaderboards/bench_questions.csv``.
+Writes one row per (cache, mode) to ``leaderboards/studies/bench_questions.csv``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from arckv_press.bench import ROOT
 from arckv_press.methods import COMPACTION_METHODS
 from arckv_press.runinfo import append_rows, print_header, run_meta
 
-DEFAULT_OUT = ROOT / "leaderboards" / "bench_questions.csv"
+DEFAULT_OUT = ROOT / "leaderboards" / "studies" / "bench_questions.csv"
 FIELDS = ["method", "ratio", "tokens", "questions", "max_new_tokens", "batch_size", "cache", "mode", "seconds",
           "questions_per_s", "same_as_single", "needle_found", "cache_bytes", "compaction_s", "model", "dtype",
           "command", "date", "package_version", "machine"]

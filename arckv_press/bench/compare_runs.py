@@ -3,8 +3,8 @@ mean difference with a 95% paired bootstrap interval and the sign test, as the l
 ``comparisons.csv`` gives for two methods, but for any two runs (say one method with and without a
 compaction option, ``run_evals.py --option``).
 
-    python scripts/compare_runs.py leaderboards/lm_eval_n10_merge256/ruler/arckv-ha_0.1/results.json \\
-        leaderboards/lm_eval_n10/ruler/arckv-ha_0.1/results.json
+    python scripts/compare_runs.py leaderboards/studies/lm_eval_n10_merge256/ruler/arckv-ha_0.1/results.json \\
+        leaderboards/runs/lm_eval_n10/ruler/arckv-ha_0.1/results.json
 
 Each ``results.json`` needs the ``sample_scores.json`` that ``run_evals.py`` writes beside it.
 Differences are A - B; a task's line is a tie when the interval holds zero.

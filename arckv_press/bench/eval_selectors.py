@@ -23,10 +23,10 @@ training doing anything?), ``ha``, ``vi``, ``omp-fast``; ablations: pooling rms 
 
     python scripts/eval_selectors.py --quick
     python scripts/eval_selectors.py --layers all --contexts 4
-    python scripts/eval_selectors.py --dev-tokens 3000 6700 --no-omp --out leaderboards/eval_selectors_long_contexts.csv
+    python scripts/eval_selectors.py --dev-tokens 3000 6700 --no-omp --out leaderboards/studies/eval_selectors/eval_selectors_long_contexts.csv
 
 Prints markdown tables (command line, machine, data at the top) and writes
-``leaderboards/eval_selectors.csv`` (one row per context x layer x selector x pooling x
+``leaderboards/studies/eval_selectors/eval_selectors.csv`` (one row per context x layer x selector x pooling x
 budgets x ratio; column ``indexer``: the checkpoint id of the ``indexer`` rows,
 ``arckv_press.indexer.checkpoint_id``, plus ``+shards:DIR`` when ``--shards`` replaced layers).
 """
@@ -92,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--holdout", type=float, default=0.25)
     p.add_argument("--no-omp", action="store_true")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="leaderboards/eval_selectors.csv")
+    p.add_argument("--out", default="leaderboards/studies/eval_selectors/eval_selectors.csv")
     p.add_argument("--dtype", default="auto",
                    help="model dtype of the reference pools (default auto, as inference: bfloat16 on CUDA, float32 on "
                         "CPU; the README's table of 2026-11-22 used bfloat16 pools)")

@@ -126,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also report E_mass on the held-out rows in the lambda sweep (about +25%% time)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
-    p.add_argument("--out", default="leaderboards/fidelity.csv", help="per-cell CSV (+ <stem>_lambda.csv)")
+    p.add_argument("--out", default="leaderboards/studies/fidelity.csv", help="per-cell CSV (+ <stem>_lambda.csv)")
     args = p.parse_args(argv)
     if args.quick:
         args.articles, args.layers = 2, "even:6"

@@ -18,9 +18,9 @@ needle at the start of the haystack, 1 at its end.
 
 Writes ``leaderboards/needle.csv`` (one row per method / ratio / length / depth / seed; the
 full cache, method ``none``, once per length / depth / seed with ratio 1) and one heat map per
-kept fraction, ``leaderboards/needle_rho<ratio>.png`` (one panel per method, rows = depth,
+kept fraction, ``leaderboards/plots/needle_rho<ratio>.png`` (one panel per method, rows = depth,
 columns = length, colour = share of seeds answered correctly; with ``--out DIR/NAME.csv``,
-``DIR/NAME_rho<ratio>.png``). The figures and the summary show the rows made with the current
+``DIR/plots/NAME_rho<ratio>.png``). The figures and the summary show the rows made with the current
 defaults, or with the run's ``--option`` fields and ``--indexer`` checkpoint. Resumable: cases
 already in the CSV are skipped, so re-running with nothing missing only redraws the figures.
 
@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     print_header("needle in a haystack (scripts/needle.py)", argv=None if argv is None else [sys.argv[0], *argv])
     if not args.plot_only:
         run(args, run_meta())
-    for path in plot(args.out, args.out.parent, args.options, args.indexer):
+    (args.out.parent / "plots").mkdir(parents=True, exist_ok=True)
+    for path in plot(args.out, args.out.parent / "plots", args.options, args.indexer):
         print(f"wrote {path}")
     summary(args.out, args.options, args.indexer)
     return 0

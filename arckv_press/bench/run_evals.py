@@ -7,7 +7,7 @@ and the no-context baseline (``drop_document=True``). Each run writes
     <out>/<benchmark>/<method>_<ratio>/results.json        lm-eval's results (no samples)
     <out>/<benchmark>/<method>_<ratio>/sample_scores.json  each sample's metric values (intervals)
     <out>/<benchmark>/<method>_<ratio>/arckv_compaction.jsonl   one record per document
-    <out>/<benchmark>/<method>_<ratio>/requests.db          lm-eval's request cache (resume)
+    <out>/<benchmark>/<method>_<ratio>/requests_rank0.db    lm-eval's request cache (resume)
 
 A run whose ``results.json`` exists is skipped; an interrupted run resumes from its request
 cache (answered requests are not recomputed) and appends to its compaction records (a document
@@ -24,7 +24,7 @@ leaderboard.
     python scripts/run_evals.py --list                                         # the plan and what is done
     python scripts/run_evals.py --rescore     # per-sample scores of older runs, from their request caches
     python scripts/run_evals.py --benchmarks ruler --methods arckv-ha --ratios 0.1 \
-        --option merge_rows=256 --out leaderboards/lm_eval_merge256           # a compaction option
+        --option merge_rows=256 --out leaderboards/studies/lm_eval_merge256           # a compaction option
 
 ``--option KEY=VALUE`` sets a :class:`~arckv_press.api.CompactionConfig` field of the ARC-KV and
 Attention Matching methods (as in the other scripts; it becomes ``press_KEY=VALUE`` in
@@ -51,7 +51,7 @@ from arckv_press.bench import ROOT
 from arckv_press.methods import METHOD_NAMES
 from arckv_press.runinfo import add_option_argument
 
-DEFAULT_OUT = ROOT / "leaderboards" / "lm_eval"
+DEFAULT_OUT = ROOT / "leaderboards" / "runs" / "lm_eval"
 TASKS_DIR = Path(importlib.util.find_spec("arckv_press.tasks").submodule_search_locations[0])  # shipped tasks
 DEFAULT_METHODS = tuple(m for m in METHOD_NAMES if m != "none")  # every method; the full cache is a baseline run
 DEFAULT_RATIOS = (0.2, 0.1, 0.05, 0.02, 0.01)

@@ -233,8 +233,8 @@ STUDY_BLOCKS = (
     ("docs/results.md", "compaction-time", "leaderboards/bench_compaction.csv", compaction_time_markdown),
     ("docs/results.md", "compaction-time-two-threads", "leaderboards/bench_compaction.csv",
      partial(compaction_time_markdown, threads=2)),
-    ("docs/results.md", "development-split", "leaderboards/fidelity_dev.csv", dev_split_markdown),
-    ("docs/indexer.md", "selectors-dev", "leaderboards/fidelity_dev.csv", selectors_markdown),
+    ("docs/results.md", "development-split", "leaderboards/studies/fidelity_dev.csv", dev_split_markdown),
+    ("docs/indexer.md", "selectors-dev", "leaderboards/studies/fidelity_dev.csv", selectors_markdown),
     ("docs/results.md", "evidence-cost", "leaderboards/leaderboard.csv", evidence_cost_markdown),
 )
 
