@@ -48,7 +48,7 @@ from arckv_press.compaction.select import POOLINGS, corrected_scores, global_bud
 from arckv_press.methods import method as lookup_method
 
 __all__ = ["CompactionConfig", "config_id", "compact", "compact_prefilled", "CompactionReport",
-           "RATIO_SCHEDULE", "RatioDefaults", "ratio_defaults"]
+           "RATIO_SCHEDULE", "RatioDefaults", "capture_plan", "ratio_defaults"]
 
 PIPELINES = ("fused", "separate")
 INDEXER_ROWS = ("all", "budget", "corrected")  # CompactionConfig.indexer_rows
@@ -472,7 +472,7 @@ def compact_prefilled(
     layers = list(layout.full_attention_layers)
     H, G = layout.num_kv_heads, layout.group_size
     timings: dict[str, float] = {}
-    plan = _capture_plan(T, G, config)
+    plan = capture_plan(T, G, config)
 
     # Indexer and budgets are resolved before the (possibly long) prefill: a missing checkpoint or
     # malformed budget weights fail fast and leave ``cache`` untouched.
@@ -767,7 +767,9 @@ class _CapturePlan:
     context_rows: torch.Tensor | None
 
 
-def _capture_plan(T: int, G: int, config: CompactionConfig) -> _CapturePlan:
+def capture_plan(T: int, G: int, config: CompactionConfig) -> _CapturePlan:
+    """The document positions each reference source captures for ``T`` document tokens and ``G``
+    query heads per KV head, and which captured rows feed the fits (shared with the presses)."""
     repeat_pos, context_pos = _reference_positions(T, G, config)
     score_all = config.score_queries == "all" and config.family == "arckv" and not config.on_policy
 

@@ -549,13 +549,13 @@ def _pid_alive(pid: int) -> bool:
 def _remove_stale_partials(path: Path) -> None:
     """Delete ``.<name>.tmp.<pid>.<hex>`` partials of ``path`` left by a save whose process is gone."""
     prefix = _partial_prefix(path)
-    with os.scandir(path.parent) as entries:
+    with contextlib.suppress(OSError), os.scandir(path.parent) as entries:  # best effort: never blocks a save
         for entry in entries:
             if not entry.name.startswith(prefix):
                 continue
             pid = entry.name[len(prefix):].split(".", 1)[0]
             if pid.isdigit() and not _pid_alive(int(pid)) and not entry.is_dir(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):
                     os.unlink(entry.path)
 
 
@@ -631,7 +631,9 @@ def _check_format(path: Path, header: dict[str, str]) -> None:
         extra = sorted(set(header) - set(_HEADER_FIELDS))
         with contextlib.suppress(ValueError, TypeError):
             meta = json.loads(header["metadata"])
-            extra += [f"metadata.{n}" for n in sorted(set(meta) - {f.name for f in dataclasses.fields(CacheMetadata)})]
+            if isinstance(meta, dict):
+                known = {f.name for f in dataclasses.fields(CacheMetadata)}
+                extra += [f"metadata.{n}" for n in sorted(set(meta) - known)]
         fields = f", with field(s) {extra} this version does not know" if extra else ""
         raise CacheFileError(
             path, f"written by a newer version of arckv-press (file format {version}{fields}); this version reads "
@@ -731,7 +733,7 @@ def _build_layers(path: Path, kinds: list, tensors: dict[str, torch.Tensor], met
     expected = set()
     for i, kind in enumerate(kinds):
         name = kind.get("kind") if isinstance(kind, dict) else None
-        if name not in _LAYER_FIELDS:
+        if not isinstance(name, str) or name not in _LAYER_FIELDS:
             raise CacheFileError(path, f"layers[{i}]: kind must be one of {list(_LAYER_FIELDS)}, got {kind!r}")
         if set(kind) != set(_LAYER_FIELDS[name]):
             raise CacheFileError(path, f"layers[{i}]: a {name!r} layer has the fields {list(_LAYER_FIELDS[name])}, got {sorted(kind)}")
@@ -874,11 +876,11 @@ class CompactCache(Cache):
                     kinds.append({"kind": "dynamic"})
                 tensors[f"{i}.k"], tensors[f"{i}.v"] = layer.keys, layer.values
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-        header = {
-            "format": str(_FORMAT_VERSION),
-            "metadata": json.dumps(meta.__dict__, allow_nan=False),
-            "layers": json.dumps(kinds),
-        }
+        try:
+            metadata = json.dumps(meta.__dict__, allow_nan=False)
+        except (TypeError, ValueError) as e:  # e.g. a tensor or NaN inside extra
+            raise CacheFileError(path, f"cannot save: the metadata is not JSON ({e})") from None
+        header = {"format": str(_FORMAT_VERSION), "metadata": metadata, "layers": json.dumps(kinds)}
         header["digests"] = json.dumps(_digests(tensors, header))
         _write_atomic(path, save(tensors, metadata=header))
 

@@ -32,7 +32,7 @@ import torch
 from kvpress import BasePress
 from transformers import DynamicCache
 
-from arckv_press.api import CompactionConfig, CompactionReport, _capture_plan, compact_prefilled
+from arckv_press.api import CompactionConfig, CompactionReport, capture_plan, compact_prefilled
 from arckv_press.capture import QueryCapture, framing_for
 from arckv_press.compaction.checks import check_ratio
 from arckv_press.methods import am_method, arckv_method
@@ -270,7 +270,7 @@ class _CompactionPress(BasePress):
             prefix_len = n if n and ids.shape[1] >= n and ids[0, :n].tolist() == prefix_ids else 0
             record.input_ids, record.cache, record.prefix_len = ids.detach(), cache, prefix_len
             if capture is not None:
-                plan = _capture_plan(ids.shape[1] - prefix_len, layout.group_size, config)
+                plan = capture_plan(ids.shape[1] - prefix_len, layout.group_size, config)
                 capture.rows = plan.context_capture + prefix_len
             return args, kwargs
 

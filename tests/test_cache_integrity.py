@@ -199,6 +199,7 @@ FORGED = {
     "span": (dict(layers=lambda ls: _set(ls[0], "span", 26)), r"layers\[0\].span is 26; with 3 verbatim prefix rows it must be original_length - 3 = 27"),
     "span type": (dict(layers=lambda ls: _set(ls[1], "span", "27")), r"layers\[1\].span must be an int >= 1"),
     "kind": (dict(layers=lambda ls: _set(ls[0], "kind", "k")), r"layers\[0\]: kind must be one of"),
+    "kind list": (dict(layers=lambda ls: _set(ls[0], "kind", ["compact"])), r"layers\[0\]: kind must be one of"),
     "kind dynamic": (dict(layers=lambda ls: ls.__setitem__(0, {"kind": "dynamic"})), "the tensors do not match the layer list"),
     "kind sliding": (dict(layers=lambda ls: ls.__setitem__(0, {"kind": "sliding", "window": 8, "cumulative_length": 30})), r"layers\[0\] is a 'sliding' layer but the model's layer 0 is full_attention"),
     "layer field": (dict(layers=lambda ls: _set(ls[1], "colour", 1)), r"layers\[1\]: a 'compact' layer has the fields"),
@@ -446,6 +447,10 @@ def test_save_checks_its_own_metadata(saved):
     cache = CompactCache.load(path, model)
     cache.metadata.ratio = float("nan")
     with pytest.raises(CacheFileError, match="metadata field 'ratio'"):
+        cache.save(path.with_name("nan.arckv"))
+    cache.metadata.ratio = 0.9
+    cache.metadata.extra = {"prefix_length": PREFIX, "seconds": float("inf")}
+    with pytest.raises(CacheFileError, match="cannot save: the metadata is not JSON"):
         cache.save(path.with_name("nan.arckv"))
     assert not path.with_name("nan.arckv").exists()
 

@@ -38,9 +38,9 @@ import torch
 from arckv_press.compaction.fit import full_attention
 from arckv_press.indexer.train import (
     TrainConfig,
-    _split_positions,
     hard_branch_loss,
     soft_branch_loss,
+    split_positions,
 )
 
 DIRECTIONS = ("-g", "+g", "random")
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     for pi, path in enumerate(files):
         for layer in layers:
             pool = load_pool(path, layer, torch.float32)
-            pos_s, pos_f, pos_h = _split_positions(pool.n_ref, fractions, args.seed, pi, torch.device("cpu"))
+            pos_s, pos_f, pos_h = split_positions(pool.n_ref, fractions, args.seed, pi, torch.device("cpu"))
             rows_s, rows_f, rows_h = pool.rows(pos_s), pool.rows(pos_f), pool.rows(pos_h)
             with torch.no_grad():
                 s = indexer.scores(layer, pool.X_rows(rows_s), pool.Q[:, rows_s], pool.K, pool.V)

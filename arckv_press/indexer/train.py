@@ -58,6 +58,7 @@ __all__ = [
     "kl_loss",
     "hard_branch_loss",
     "soft_branch_loss",
+    "split_positions",
     "ridge_solve",
     "ste_loss",
     "lr_factor",
@@ -459,8 +460,10 @@ def _mix_seed(*parts: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _split_positions(n_ref: int, fractions: Sequence[float], seed: int, epoch: int,
-                     device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+def split_positions(n_ref: int, fractions: Sequence[float], seed: int, epoch: int,
+                    device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The episode split (``split_episode``) of ``n_ref`` reference positions into ``D_score``,
+    ``D_fit`` and ``D_holdout`` on ``device``; an empty part is an error."""
     score, fit, hold = (p.to(device) for p in split_episode(n_ref, tuple(fractions), seed, epoch))
     for name, idx in (("D_score", score), ("D_fit", fit), ("D_holdout", hold)):
         if idx.numel() == 0:
@@ -516,7 +519,7 @@ def _episode_loss(params: dict[str, Tensor], indexer: ValueAwareIndexer, pool: R
     loss = torch.zeros((), dtype=torch.float32, device=device)
     use_kl, need_out = stage.lambda_kl > 0, stage.lambda_out > 0
     if need_out:
-        pos_s, pos_f, pos_h = _split_positions(pool.n_ref, config.episode_fractions, split_seed,
+        pos_s, pos_f, pos_h = split_positions(pool.n_ref, config.episode_fractions, split_seed,
                                                global_epoch, device)
         rows_s, rows_f, rows_h = pool.rows(pos_s), pool.rows(pos_f), pool.rows(pos_h)
     # one logits pass over the rows needed: KL rows (D_ref or a subset), then D_score rows
