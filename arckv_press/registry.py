@@ -17,10 +17,10 @@ import torch
 from kvpress import BasePress
 from transformers import DynamicCache
 
-from arckv_press.methods import METHOD_NAMES, METHODS, method
+from arckv_press.methods import method
 from arckv_press.presses import kept_to_compression, resolve_kept_ratio
 
-__all__ = ["make_press", "describe_methods", "prefill_with_press", "indexer_id", "method_config_id", "result_ids",
+__all__ = ["make_press", "prefill_with_press", "indexer_id", "method_config_id", "result_ids",
            "press_options"]
 
 
@@ -106,12 +106,6 @@ def press_options(name: str, config_options: dict[str, Any] | None, indexer: Any
     direct = {k: v for k, v in config_options.items() if k in arguments}
     rest = {k: v for k, v in config_options.items() if k not in arguments}
     return {**out, **direct, **({"config_options": rest} if rest else {})}
-
-
-def describe_methods(indent: str = "  ") -> str:
-    """One line per method, ``name: description`` (for ``--help`` and the README)."""
-    width = max(len(n) for n in METHOD_NAMES)
-    return "\n".join(f"{indent}{spec.name:<{width}}  {spec.description}" for spec in METHODS.values())
 
 
 def prefill_with_press(model, press: BasePress | None, context_ids: torch.Tensor, cache=None):

@@ -1,11 +1,10 @@
-"""scripts/bench_decode.py: a tiny grid runs, checks the shared-block attention against the
-expanded route, writes its rows, and its printed ratios are the CSV's own numbers."""
+"""scripts/bench_decode.py: a tiny grid runs, writes its rows (bytes checked against the cache
+layouts), and its printed ratios are the CSV's own numbers."""
 
 from __future__ import annotations
 
 import csv
 import importlib.util
-import math
 from pathlib import Path
 
 from conftest import assert_ratio_of_rounded
@@ -28,8 +27,6 @@ def test_bench_decode_tiny_grid(tmp_path, capsys):
     rows = list(csv.DictReader(open(out)))
     assert [(r["batch"], r["context"], r["t_max"]) for r in rows] == [("1", "64", "16"), ("3", "64", "16")]
     for r in rows:
-        ratio = float(r["expanded_ms"]) / (float(r["inputs_ms"]) + float(r["compact_attn_ms"]))
-        assert math.isclose(float(r["expanded_over_compact"]), ratio, rel_tol=0.05)  # of ms rounded to 3 decimals
         B = int(r["batch"])
         # bytes: full = B (T + A) rows of K and V; compact = 3 heads x 16 entries (2 D float32 + beta) + B x A rows
         assert int(r["full_bytes"]) == B * 3 * (64 + 5) * 2 * 64 * 4
@@ -39,4 +36,4 @@ def test_bench_decode_tiny_grid(tmp_path, capsys):
         assert int(r["kvpress_masked_bytes"]) == int(r["full_bytes"])
         for ratio, num, den in (("compact_over_full", "compact_ms", "full_ms"), ("compact_over_pruned", "compact_ms", "pruned_ms")):
             assert_ratio_of_rounded(float(r[ratio]), float(r[num]), float(r[den]), csv_decimals=3, print_decimals=3)
-    assert "e/c = expand / (inputs + attn)" in capsys.readouterr().out
+    assert "c/p = compact / pruned" in capsys.readouterr().out

@@ -32,7 +32,7 @@ from arckv_press.indexer.model import IndexerConfig, ValueAwareIndexer
 from arckv_press.models import config_hash, describe_attention_layout, model_id
 from arckv_press.presses import ARCKVPress, AttentionMatchingPress
 from arckv_press.methods import METHOD_NAMES, METHODS
-from arckv_press.registry import describe_methods, make_press, prefill_with_press
+from arckv_press.registry import make_press, prefill_with_press
 
 TINY_INIT = 0.2
 QUESTIONS_TINY = ["what is the secret code ?", "what is the name ?", "city ?"]
@@ -295,8 +295,6 @@ def test_registry_names_and_constructors():
         "arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha",
         "snapkv", "kvzip", "expected_attention", "knorm", "streaming_llm", "none",
     )
-    lines = describe_methods().splitlines()
-    assert len(lines) == len(METHOD_NAMES) and all(name in line for name, line in zip(METHOD_NAMES, lines))
     assert make_press("none", 0.5) is None
     press = make_press("arckv-vi", 0.2, lambda_m=0.5)
     assert isinstance(press, ARCKVPress) and press.method == "arckv-vi" and press.lambda_m == 0.5

@@ -12,11 +12,7 @@ is timed as the model runs it:
   the compacted rows, paper Eq. (compact_attention)), the package's path: the compacted block is
   shared by the batch (one matmul per KV head over all queries) and never copied per sequence;
 - ``pruned``: the ``full`` path on a plain cache of ``t + A`` rows (what a kvpress pruning press
-  at the same kept fraction leaves), so ``compact / pruned`` is the price of the bias at equal size;
-- ``expanded``: the same attention computed the way the package did before 2026-11-25: a padded
-  working copy ``[B, Hkv, t_max + A, D]`` (the compacted block repeated for every sequence) and
-  torch SDPA with beta as additive mask. It is checked against ``compact`` before timing, and
-  ``expanded / (inputs + attn)`` (below) is the speed-up of sharing the block.
+  at the same kept fraction leaves), so ``compact / pruned`` is the price of the bias at equal size.
 
 ``A`` ordinary rows (the framing prefix and the question, zero bias) sit next to the compacted
 block in all caches. The compact step is also split into ``inputs`` (``CompactLayer.attention_inputs``
@@ -51,8 +47,7 @@ from arckv_press.runinfo import append_rows, median_seconds, print_header, run_m
 DEFAULT_OUT = ROOT / "leaderboards" / "studies" / "bench_decode.csv"
 FIELDS = [
     "batch", "context", "ratio", "t_max", "appended", "dtype", "full_ms", "compact_ms", "compact_over_full", "pruned_ms", "compact_over_pruned",
-    "inputs_ms", "compact_attn_ms", "expanded_ms", "expanded_over_compact", "full_bytes", "compact_bytes", "expanded_bytes",
-    "kvpress_pruned_bytes", "kvpress_masked_bytes", "repeats", "threads", "command", "date", "package_version", "machine",
+    "inputs_ms", "compact_attn_ms", "full_bytes", "compact_bytes", "kvpress_pruned_bytes", "kvpress_masked_bytes", "repeats", "threads", "command", "date", "package_version", "machine",
 ]
 
 
@@ -69,23 +64,6 @@ class _Attn(torch.nn.Module):
 def median_ms(fn, reset, repeats: int, warmup: int) -> float:
     """Median wall time of ``fn()`` in ms; ``reset()`` (untimed) restores the state after each call."""
     return 1e3 * median_seconds(fn, repeats, warmup, reset)
-
-
-def expanded_attention(layer, q: torch.Tensor, scaling: float) -> tuple[torch.Tensor, int]:
-    """The pre-2026-11-25 route, for comparison: the padded compacted block repeated for every
-    sequence and concatenated with the ordinary rows, beta as additive float32 mask, torch SDPA.
-    Returns ``[B, n, Hq, D]`` and the bytes of the per-step copies. One query per sequence."""
-    ck, beta, cv = layer.padded()
-    new_k, new_v = layer._new_k, layer._new_v
-    B, Hq = q.shape[:2]
-    Hkv, A = ck.shape[0], new_k.shape[2]
-    keys = torch.cat([ck[None].expand(B, -1, -1, -1).to(new_k.dtype), new_k], dim=-2).float()
-    values = torch.cat([cv[None].expand(B, -1, -1, -1).to(new_v.dtype), new_v], dim=-2).float()
-    mask = torch.cat([beta.float(), beta.new_zeros(Hkv, A)], dim=-1)  # [Hkv, t + A]
-    mask = mask.repeat_interleave(Hq // Hkv, dim=0)[None, :, None, :].expand(B, -1, 1, -1)
-    out = torch.nn.functional.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask, scale=scaling,
-                                                           enable_gqa=True)
-    return out.to(q.dtype).transpose(1, 2), keys.nbytes + values.nbytes + mask.nbytes
 
 
 def bench_case(B: int, T: int, rho: float, dtype_name: str, args, gen: torch.Generator) -> dict:
@@ -141,12 +119,6 @@ def bench_case(B: int, T: int, rho: float, dtype_name: str, args, gen: torch.Gen
     inputs_ms = median_ms(layer.attention_inputs, lambda: None, args.repeats, args.warmup)
     attn_ms = median_ms(lambda: compact_attention_forward(module, q, keys, values, None, scaling=scaling),
                         lambda: None, args.repeats, args.warmup)
-    out = compact_attention_forward(module, q, keys, values, None, scaling=scaling)[0].float()
-    expanded, expanded_bytes = expanded_attention(layer, q, scaling)
-    err = (expanded.float() - out).abs().max().item()
-    if err > 2e-2 * max(1.0, out.abs().max().item()):
-        raise AssertionError(f"B={B} T={T} rho={rho}: the expanded route disagrees with compact_attention_forward by {err}")
-    expanded_ms = median_ms(lambda: expanded_attention(layer, q, scaling), lambda: None, args.repeats, args.warmup)
     reset()
 
     item = torch.finfo(dtype).bits // 8
@@ -160,11 +132,9 @@ def bench_case(B: int, T: int, rho: float, dtype_name: str, args, gen: torch.Gen
         "batch": B, "context": T, "ratio": f"{rho:g}", "t_max": layer.t_max, "appended": A, "dtype": dtype_name,
         "full_ms": f"{full_ms:.3f}", "compact_ms": f"{compact_ms:.3f}", "compact_over_full": f"{compact_ms / full_ms:.3f}",
         "pruned_ms": f"{pruned_ms:.3f}", "compact_over_pruned": f"{compact_ms / pruned_ms:.3f}",
-        "inputs_ms": f"{inputs_ms:.3f}", "compact_attn_ms": f"{attn_ms:.3f}", "expanded_ms": f"{expanded_ms:.3f}",
-        "expanded_over_compact": f"{expanded_ms / (inputs_ms + attn_ms):.3f}",
+        "inputs_ms": f"{inputs_ms:.3f}", "compact_attn_ms": f"{attn_ms:.3f}",
         "full_bytes": full.keys.nbytes + full.values.nbytes,
         "compact_bytes": layer.nbytes(),
-        "expanded_bytes": expanded_bytes,
         "kvpress_pruned_bytes": B * Hkv * (pruned_rows + A) * row,
         "kvpress_masked_bytes": B * Hkv * (T + A) * row,
         "repeats": args.repeats, "threads": torch.get_num_threads(),
@@ -206,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     head = (f"{'dtype':>8} {'B':>3} {'T':>6} {'rho':>5} | {'full ms':>8} {'compact':>8} {'ratio':>6} | {'pruned':>7} {'c/p':>5} | {'inputs':>7} {'attn':>7} "
-            f"{'expand':>7} {'e/c':>5} | {'full MiB':>9} {'compact':>8} {'expand':>7} {'pruned':>7} {'masked':>7}")
+            f"| {'full MiB':>9} {'compact':>8} {'pruned':>7} {'masked':>7}")
     print(head)
     print("-" * len(head))
     for dtype_name, T, B, rho in itertools.product(args.dtypes, args.contexts, args.batch, args.ratios):
@@ -216,19 +186,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{dtype_name:>8} {B:>3} {T:>6} {rho:>5g} | {float(r['full_ms']):>8.3f} {float(r['compact_ms']):>8.3f} "
               f"{float(r['compact_over_full']):>6.2f} | {float(r['pruned_ms']):>7.3f} {float(r['compact_over_pruned']):>5.2f} | "
               f"{float(r['inputs_ms']):>7.3f} "
-              f"{float(r['compact_attn_ms']):>7.3f} {float(r['expanded_ms']):>7.3f} {float(r['expanded_over_compact']):>5.2f} | "
-              f"{mib('full_bytes'):>9.3f} {mib('compact_bytes'):>8.3f} {mib('expanded_bytes'):>7.3f} "
+              f"{float(r['compact_attn_ms']):>7.3f} | "
+              f"{mib('full_bytes'):>9.3f} {mib('compact_bytes'):>8.3f} "
               f"{mib('kvpress_pruned_bytes'):>7.3f} {mib('kvpress_masked_bytes'):>7.3f}", flush=True)
     append_rows(args.out, rows, FIELDS)
     print(f"\nwrote {len(rows)} rows to {args.out}")
     print("columns: ratio = compact / full time of one decode step of one layer (update + attention); pruned = the "
           "same step on a plain DynamicLayer of t + A rows (a kvpress-pruned cache of the same size), c/p = compact / "
           "pruned, the price of the bias; inputs = CompactLayer.attention_inputs alone; attn = "
-          "compact_attention_forward on prebuilt inputs; expand = the pre-2026-11-25 route (block copied per "
-          "sequence + SDPA), e/c = expand / (inputs + attn), the speed-up of sharing the block.")
+          "compact_attention_forward on prebuilt inputs.")
     print("bytes per layer: full = DynamicLayer (B copies of the context); compact = packed CompactLayer (shared "
-          "compact block + B x A ordinary rows); expand = the per-step copies of the pre-2026-11-25 route; "
-          "pruned = kvpress SnapKV / Expected Attention at the same kept fraction; masked = kvpress KVzip "
+          "compact block + B x A ordinary rows); pruned = kvpress SnapKV / Expected Attention at the same kept fraction; masked = kvpress KVzip "
           "(mask, not removal): the full size.")
     return 0
 
