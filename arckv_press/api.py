@@ -28,7 +28,8 @@ from transformers import DynamicCache
 from arckv_press import __version__
 from arckv_press.attention import enable_compact_attention
 from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, pack_heads
-from arckv_press.capture import QueryCapture, encode_document, framing_for, prefill, repeat_prefill, repeat_prefill_stats
+from arckv_press.capture import (QueryCapture, check_context_positions, encode_document, framing_for, prefill,
+                                  repeat_prefill, repeat_prefill_stats)
 from arckv_press.compaction.checks import check_nonnegative, check_ratio
 from arckv_press.compaction.fit import FitConfig
 from arckv_press.compaction.layer import (
@@ -469,6 +470,7 @@ def compact_prefilled(
     T = context_ids.shape[1] - prefix_len
     if T < config.min_length:
         raise ValueError(f"the document has {T} tokens; at least {config.min_length} are needed to compact it")
+    check_context_positions(model, n_ctx, prefix_len)  # before the (long) prefill and repeat-prefill
     layers = list(layout.full_attention_layers)
     H, G = layout.num_kv_heads, layout.group_size
     timings: dict[str, float] = {}

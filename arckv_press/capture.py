@@ -34,7 +34,11 @@ from arckv_press.compaction.stats import ReferenceStats, causal_part, split_atte
 __all__ = [
     "Framing",
     "framing_for",
+    "check_document_text",
+    "check_context_positions",
     "encode_document",
+    "encode_text",
+    "special_token_ids",
     "CapturedQueries",
     "QueryCapture",
     "StatsCapture",
@@ -406,6 +410,25 @@ def _warn_past_window(model, furthest: int, chunk_size: int) -> None:
         )
 
 
+def check_context_positions(model, n_context: int, prefix_len: int = 0) -> None:
+    """Refuse a context of more tokens than the model has positions (``max_position_embeddings``),
+    with a ``ValueError`` naming both numbers, before anything runs: past the window the prefill
+    itself (the keys and values that are kept) extrapolates the position encoding.
+
+    The repeat-prefill of ARC-KV / Attention Matching puts each repeated chunk after the whole
+    context, so it reaches ``n_context + instruction + suffix + chunk`` positions
+    (:func:`repeat_chunks`); a context that fits but whose repeat does not is not refused (the
+    benchmarks' 8K contexts and QuALITY's longest articles are such cases): the repeat-prefill
+    warns (:func:`_warn_past_window`) with the numbers. Models without ``max_position_embeddings``
+    are not checked."""
+    window = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(window, int) and n_context > window:
+        raise ValueError(
+            f"the context has {n_context} tokens (prefix {prefix_len} + document {n_context - prefix_len}), more than "
+            f"the {window} positions of the model (max_position_embeddings); shorten or split the document, or use a "
+            "model with more positions")
+
+
 def _check_positions(positions, T: int) -> torch.Tensor:
     """Strictly increasing integer document positions in ``[0, T)`` (CPU); else ValueError."""
     if not isinstance(positions, torch.Tensor) or positions.ndim != 1:
@@ -437,11 +460,61 @@ def _restore(cache, snapshot: list[tuple]) -> None:
             layer.cumulative_length = cum
 
 
+def check_document_text(text, name: str = "context") -> str:
+    """``text`` if it is non-empty Unicode text: a ``TypeError`` for anything but a ``str`` (bytes
+    included: decode them first), a ``ValueError`` for an empty string or one holding a lone
+    surrogate (not encodable as UTF-8, which the tokenizer would reject with its own error)."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        raise TypeError(f"the {name} must be a str, got {type(text).__name__}; decode it first "
+                        "(for example data.decode('utf-8'))")
+    if not isinstance(text, str):
+        raise TypeError(f"the {name} must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"the {name} to compact is empty")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"the {name} holds a lone surrogate {text[err.start]!r} (U+{ord(text[err.start]):04X}) at "
+                         f"character {err.start}: not valid Unicode text; decode the source with errors='replace' "
+                         "or remove it") from None
+    return text
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Ids of the tokenizer's special tokens (chat control, BOS/EOS, ...) except the unknown token,
+    which ordinary text may produce."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    for idx, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            ids.add(int(idx))
+    ids.discard(getattr(tokenizer, "unk_token_id", None))
+    return ids
+
+
+def encode_text(tokenizer, text: str, name: str = "document") -> list[int]:
+    """Token ids of untrusted ``text`` encoded as text: a string that spells a special token
+    (``<|im_end|>``, ``<|im_start|>assistant``, ...) becomes ordinary tokens
+    (``split_special_tokens=True``), never the control token itself; text without such strings
+    encodes to the same ids as before. A ``ValueError`` if the tokenizer still returns a special
+    token id (one that ignores ``split_special_tokens``)."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    leaked = sorted(set(ids) & special_token_ids(tokenizer))
+    if leaked:
+        names = [tokenizer.convert_ids_to_tokens(i) for i in leaked]
+        raise ValueError(f"the {name} spells the special tokens {names} and {type(tokenizer).__name__} encodes them "
+                         "as control tokens even with split_special_tokens=True; remove them from the text")
+    return ids
+
+
 def encode_document(tokenizer, text: str, use_chat_template: bool | None = None) -> tuple[torch.Tensor, int]:
-    """``prefix + document`` token ids ``[1, P + T]`` and the prefix length ``P`` (kvpress framing)."""
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("the context to compact is empty")
+    """``prefix + document`` token ids ``[1, P + T]`` and the prefix length ``P`` (kvpress framing).
+
+    The prefix (the chat template up to the user message) keeps its real special tokens; the
+    document is untrusted text and is encoded as text (:func:`encode_text`), so a document
+    cannot close the user turn or open an assistant turn. ``text`` is checked by
+    :func:`check_document_text`."""
+    check_document_text(text)
     framing = framing_for(tokenizer, use_chat_template)
-    doc = tokenizer.encode(text, add_special_tokens=False)
+    doc = encode_text(tokenizer, text)
     ids = torch.tensor([framing.prefix_ids + doc], dtype=torch.long)
     return ids, len(framing.prefix_ids)

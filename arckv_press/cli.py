@@ -10,6 +10,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,18 +34,78 @@ def _load(args):
     return load_model(args.model, dtype=args.dtype)
 
 
-def cmd_compact(args) -> int:
-    from arckv_press.api import compact
+# argparse types: a bad number is refused with the flag's name before anything is loaded
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {value}")
+    return value
 
-    text = Path(args.file).read_text(encoding="utf-8")
+
+def kept_fraction(text: str) -> float:
+    """The kept fraction rho in (0, 1] (:func:`arckv_press.compaction.checks.check_ratio`)."""
+    from arckv_press.compaction.checks import check_ratio
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    try:
+        return check_ratio(value, "ratio")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def unit_fraction(text: str) -> float:
+    """A number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
+def check_output_path(path: Path) -> Path:
+    """Refuse an output path that cannot be written (before the compaction, whose work would be
+    lost): a directory, or a file in a folder that is missing or not writable."""
+    if path.is_dir():
+        raise ValueError(f"the output {path} is a directory; give a file name such as {path / 'doc.arckv'}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ValueError(f"the output folder {folder} of {path} does not exist; create it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"the output folder {folder} of {path} is not writable")
+    return path
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start})") from None
+
+
+def cmd_compact(args) -> int:
+    from arckv_press.api import CompactionConfig, compact
+    from arckv_press.capture import check_document_text
+
+    # everything that can be checked without the model is checked before it is loaded
+    text = check_document_text(_read_text(args.file), f"text of {args.file}")
+    out = check_output_path(Path(args.output or f"{args.file}.arckv"))
+    options = {k: v for k, v in (("lambda_m", args.lambda_m), ("min_head_fraction", args.min_head_fraction),
+                                 ("anchor_search", args.anchor_search)) if v is not None}
+    CompactionConfig(method=args.method, ratio=args.ratio, **options)  # validates the options
     model, tok = _load(args)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        options = {k: v for k, v in (("lambda_m", args.lambda_m), ("min_head_fraction", args.min_head_fraction),
-                                     ("anchor_search", args.anchor_search)) if v is not None}
         cache = compact(model, tok, text, method=args.method, ratio=args.ratio, progress=True, **options)
     seconds = time.perf_counter() - t0
-    out = Path(args.output or f"{args.file}.arckv")
     cache.save(out)
     r = cache.report
     print(
@@ -58,8 +121,15 @@ def cmd_ask(args) -> int:
     from arckv_press.cache import CompactCache
     from arckv_press.generation import answer_many
 
+    from safetensors import SafetensorError
+
+    if not Path(args.cache).is_file():  # before the model is loaded
+        raise FileNotFoundError(errno.ENOENT, "no such compact cache file", args.cache)
     model, tok = _load(args)
-    cache = CompactCache.load(args.cache, model)
+    try:
+        cache = CompactCache.load(args.cache, model)
+    except SafetensorError as err:
+        raise ValueError(f"{args.cache} is not a readable compact cache ({err})") from err
     enable_compact_attention(model)
     answers = answer_many(model, tok, cache, args.questions, args.max_new_tokens, args.answer_prefix,
                           batch_size=args.batch_size, progress=len(args.questions) > args.batch_size)
@@ -125,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compact", help="prefill and compact a text file, save the compact cache")
     p.add_argument("file")
     p.add_argument("--method", default="arckv", choices=list(COMPACTION_METHODS))
-    p.add_argument("--ratio", type=float, default=0.1, help="kept fraction rho in (0, 1]")
+    p.add_argument("--ratio", type=kept_fraction, default=0.1, help="kept fraction rho in (0, 1]")
     def schedule(field: str) -> str:
         """The default of ``field`` by kept fraction, as RATIO_SCHEDULE gives it."""
         values = [getattr(step, field) for step in RATIO_SCHEDULE]
@@ -134,12 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
         return "by kept fraction, " + ", ".join(f"{v} at ratio >= {step.lowest:g}" if step.lowest > 0 else f"{v} below"
                                                 for v, step in zip(values, RATIO_SCHEDULE))
 
-    p.add_argument("--lambda-m", type=float, default=None,
+    p.add_argument("--lambda-m", type=unit_fraction, default=None,
                    help=f"ARC-KV key-merging coefficient (default: {schedule('lambda_m')})")
     p.add_argument("--anchor-search", default=None, choices=list(ANCHOR_SEARCHES),
                    help=f"ARC-KV: top-t of the anchor scores or Attention Matching's OMP search (default: "
                         f"{schedule('anchor_search')})")
-    p.add_argument("--min-head-fraction", type=float, default=None,
+    p.add_argument("--min-head-fraction", type=unit_fraction, default=None,
                    help=f"ARC-KV: share of its uniform budget every layer-head keeps (default {defaults.min_head_fraction}; "
                         "0 = fully global, 1 = uniform budgets)")
     p.add_argument("-o", "--output")
@@ -148,9 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ask", help="answer questions from a saved compact cache")
     p.add_argument("cache")
     p.add_argument("questions", nargs="+")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=positive_int, default=48)
     p.add_argument("--answer-prefix", default="")
-    p.add_argument("--batch-size", type=int, default=16,
+    p.add_argument("--batch-size", type=positive_int, default=16,
                    help="questions decoded together (they share the compacted block; default 16)")
     p.set_defaults(func=cmd_ask)
 
@@ -159,13 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER)
 
     p = sub.add_parser("demo", help="needle-in-a-haystack with the full cache and each method")
-    p.add_argument("--tokens", type=int, default=2000)
-    p.add_argument("--depth", type=float, default=0.5)
-    p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--tokens", type=positive_int, default=2000)
+    p.add_argument("--depth", type=unit_fraction, default=0.5, help="needle depth in [0, 1] (0 = start)")
+    p.add_argument("--ratio", type=kept_fraction, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--haystack", default=None, help="text file (default: ../shared/data/ruler/pg_essays.txt or noise)")
     p.add_argument("--methods", nargs="+", default=list(DEMO_METHODS))
-    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=positive_int, default=12)
     p.set_defaults(func=cmd_demo)
     return parser
 
@@ -176,12 +246,33 @@ def main(argv: list[str] | None = None) -> int:
         from arckv_press.indexer.run import main as train_main
 
         return train_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # argparse's usage error (its message is printed) or --help
+        return stop.code if isinstance(stop.code, int) else 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"arckv: error: {err}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001  (only the kinds below; anything else is a bug: traceback)
+        message = _error_message(err)
+        if message is None:
+            raise
+        print(f"arckv: error: {message}", file=sys.stderr)
         return 2
+
+
+def _error_message(err: Exception) -> str | None:
+    """One line for a bad input or file (the package's errors are ``ValueError`` subclasses, a file
+    that cannot be read an ``OSError`` or a safetensors error), ``None`` for anything else."""
+    from safetensors import SafetensorError
+
+    if isinstance(err, OSError):
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror or err}{where}"
+    if isinstance(err, SafetensorError):
+        return f"not a readable safetensors file ({err})"
+    if isinstance(err, ValueError):
+        return str(err)
+    return None
 
 
 if __name__ == "__main__":

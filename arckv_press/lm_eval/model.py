@@ -609,6 +609,27 @@ class HFArcKV(HFLM):
         t0, t1 = document_token_span(offsets, *chars)
         return t0 + k, t1 + k
 
+    def _document_as_text(self, text: str, ids: list[int], span: tuple[int, int]) -> tuple[list[int], tuple[int, int]]:
+        """``(ids, span)`` with the document encoded as text. HFLM's tokenization of the whole prompt
+        reads a special-token string inside the document (``<|im_end|>``, ``<|im_start|>assistant``)
+        as the control token itself; such a document's tokens are encoded again from their characters
+        as text (:func:`arckv_press.capture.encode_text`), the rest of the prompt (chat template,
+        instruction, question) unchanged. A document without such strings keeps HFLM's ids exactly."""
+        from arckv_press.capture import encode_text, special_token_ids
+
+        t0, t1 = span
+        if not special_token_ids(self.tokenizer) & set(ids[t0:t1]):
+            return ids, span
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        k = _align(ids, list(enc["input_ids"]))
+        if k is None:
+            raise ValueError("hf-arckv: the offset tokenization of a prompt differs from HFLM's tokenization; "
+                             "cannot re-encode its document as text")
+        offsets = enc["offset_mapping"]
+        lo, hi = offsets[t0 - k][0], offsets[t1 - 1 - k][1]  # the characters of the span's tokens
+        doc = encode_text(self.tokenizer, text[lo:hi])
+        return ids[:t0] + doc + ids[t1:], (t0, t0 + len(doc))
+
     def _without_documents(self, requests):
         """``requests`` with the document text removed (``drop_document``), else unchanged."""
         if not self.drop_document:
@@ -673,10 +694,12 @@ class HFArcKV(HFLM):
             return None
         context = request_str[0]
         stripped = context.rstrip()  # TemplateLM._encode_pair moves trailing whitespace to the continuation
-        span = self._span(stripped, list(ctx_enc))
+        ctx = list(ctx_enc)
+        span = self._span(stripped, ctx)
         if span is None:
             return None
-        full = list(ctx_enc) + list(cont_enc)
+        ctx, span = self._document_as_text(stripped, ctx, span)
+        full = ctx + list(cont_enc)
         cut = max(0, len(full) - (self.max_length + 1))  # HFLM's left truncation
         inp = full[cut:][:-1]
         doc_start, doc_end = max(0, span[0] - cut), span[1] - cut
@@ -745,6 +768,7 @@ class HFArcKV(HFLM):
         span = self._span(context, full)
         if span is None:
             return None
+        full, span = self._document_as_text(context, full, span)
         cut = max(0, len(full) - max_ctx_len)
         inp = full[cut:]
         doc_start, doc_end = max(0, span[0] - cut), span[1] - cut

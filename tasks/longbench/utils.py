@@ -20,12 +20,12 @@ Scoring: ``metrics.score_prediction`` (official metric, post-processing and max 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from arckv_press.tasks._common import doc_markers as markers
+from arckv_press.tasks._common import records as data_files
 from arckv_press.tasks._common import resources
 from arckv_press.tasks.longbench import metrics
 
@@ -130,22 +130,20 @@ def build_prompt(template: str, row: dict[str, Any], tokenizer: Any, max_length:
 # --------------------------------------------------------------------------- data
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+#: the fields of a LongBench record the prompt and the scoring read, with their types
+RECORD_FIELDS = {"input": str, "context": str, "answers": (str, list)}
 
 
 def _read_config(root: Path | None, name: str) -> dict[str, Any] | None:
     if root is None or not (root / "config" / name).is_file():
         return None
-    with open(root / "config" / name, encoding="utf-8") as f:
-        return json.load(f)
+    return data_files.read_json(root / "config" / name, expect=dict)
 
 
 def _rows(dataset: str, root: Path | None) -> list[dict[str, Any]]:
     local = root / "data" / f"{dataset}.jsonl" if root is not None else None
     if local is not None and local.is_file():
-        return _read_jsonl(local)
+        return data_files.read_jsonl(local)
     try:  # pragma: no cover - needs network
         import datasets
 
@@ -208,6 +206,7 @@ def load_longbench(**kwargs: Any) -> dict[str, Any]:
     tokenizer = resources.load_tokenizer(kwargs)
     docs = []
     for i, row in enumerate(_rows(dataset, root)):
+        data_files.check_fields(row, RECORD_FIELDS, data_files.where_of(row, f"LongBench {dataset} record {i}"))
         prompt, truncated = build_prompt(template, row, tokenizer, max_length)
         answers = row["answers"]
         if isinstance(answers, str):

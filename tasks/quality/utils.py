@@ -14,11 +14,11 @@ Tasks: ``quality`` scores the four option texts by log-likelihood (acc, acc_norm
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from arckv_press.tasks._common import doc_markers as markers
+from arckv_press.tasks._common import records as data_files
 from arckv_press.tasks._common import resources
 
 HUB_DATA_FILES = "hf://datasets/L4NLP/LEval/LEval/Exam/quality.jsonl"
@@ -76,19 +76,36 @@ def gold_index(output: str, options: list[str]) -> int:
     return index
 
 
+#: the fields of an L-Eval record this loader reads, with their types
+RECORD_FIELDS = {"input": str, "instructions": [str], "outputs": [str]}
+
+
 def parse_leval_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One document per question, article by article, questions in file order."""
+    """One document per question, article by article, questions in file order.
+
+    A record without a field of :data:`RECORD_FIELDS` (or of another type), or with a question or
+    answer that does not parse, is a :class:`~arckv_press.tasks._common.records.DataFileError`
+    naming the record's file and line (records read by
+    :func:`~arckv_press.tasks._common.records.read_jsonl`; else its index) and the field."""
     docs = []
     for article_id, record in enumerate(records):
+        where = data_files.where_of(record, f"QuALITY record {article_id}")
+        data_files.check_fields(record, RECORD_FIELDS, where)
         instructions, outputs = record["instructions"], record["outputs"]
         if len(instructions) != len(outputs):
-            raise ValueError(
-                f"QuALITY article {article_id}: {len(instructions)} instructions but {len(outputs)} outputs"
+            raise data_files.DataFileError(
+                f"{where}: QuALITY article {article_id}: {len(instructions)} instructions but {len(outputs)} outputs"
             )
         article = record["input"].strip()
         for question_id, (instruction, output) in enumerate(zip(instructions, outputs)):
-            stem, options = parse_question(instruction)
-            gold = gold_index(output, options)
+            try:
+                stem, options = parse_question(instruction)
+            except ValueError as err:
+                raise data_files.DataFileError(f"{where}: field 'instructions'[{question_id}]: {err}") from None
+            try:
+                gold = gold_index(output, options)
+            except ValueError as err:
+                raise data_files.DataFileError(f"{where}: field 'outputs'[{question_id}]: {err}") from None
             docs.append({
                 "doc_id": f"quality-a{article_id}-q{question_id}",
                 "article_id": article_id,
@@ -105,8 +122,7 @@ def parse_leval_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _read_records() -> list[dict[str, Any]]:
     path = resources.resolve_local_path(resources.QUALITY_ENV, "quality/leval_quality.jsonl", must_be_dir=False)
     if path is not None:
-        with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        return data_files.read_jsonl(path)
     try:  # pragma: no cover - needs network
         import datasets
 

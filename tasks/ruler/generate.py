@@ -38,7 +38,6 @@ prefix is returned separately (lm-eval ``gen_prefix``).
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import string
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 
+from arckv_press.tasks._common import records as data_files
 from arckv_press.tasks._common.doc_markers import wrap_document
 
 __all__ = [
@@ -237,10 +237,10 @@ def _essay_words(root: Path | None) -> list[str]:
     if root is None:
         text = _hub_essays()
     elif (root / "PaulGrahamEssays.json").is_file():
-        with open(root / "PaulGrahamEssays.json", encoding="utf-8") as f:
-            text = json.load(f)["text"]
+        path = root / "PaulGrahamEssays.json"
+        text = data_files.check_fields(data_files.read_json(path, expect=dict), {"text": str}, str(path))["text"]
     elif (root / "pg_essays.txt").is_file():
-        text = (root / "pg_essays.txt").read_text(encoding="utf-8")
+        text = data_files.read_text(root / "pg_essays.txt")
     else:
         raise FileNotFoundError(f"no PaulGrahamEssays.json or pg_essays.txt in the RULER folder {root}")
     # RULER: haystack = re.sub(r'\s+', " ", essay).split(" ")
@@ -271,8 +271,7 @@ def _read_squad(root: Path | None) -> QAData:
         # the answer-less test half (*noanswers*) is the value-aware indexer's training text:
         # keep it out of every evaluation context
         for path in [p for p in _json_files(root, "squad") if "noanswers" not in p.name]:
-            with open(path, encoding="utf-8") as f:
-                articles.extend(json.load(f)["data"])
+            articles.extend(_check_squad(data_files.read_json(path, expect=dict), path))
     docs = sorted({p["context"] for a in articles for p in a["paragraphs"]})
     index = {c: i for i, c in enumerate(docs)}
     questions = []
@@ -293,6 +292,44 @@ def _read_squad(root: Path | None) -> QAData:
     if not questions:
         raise ValueError("SQuAD data has no answerable question (needs 'answers' / 'is_impossible')")
     return QAData(tuple(docs), tuple(questions))
+
+
+def _check_squad(obj: dict[str, Any], path: Path) -> list[dict[str, Any]]:
+    """The ``data`` articles of a SQuAD file, every field :func:`_read_squad` reads checked
+    (:class:`~arckv_press.tasks._common.records.DataFileError` naming the file, the JSON path and
+    the field)."""
+    check = data_files.check_fields
+    articles = check(obj, {"data": [dict]}, str(path))["data"]
+    for a, article in enumerate(articles):
+        for p, para in enumerate(check(article, {"paragraphs": [dict]}, f"{path}, data[{a}]")["paragraphs"]):
+            where = f"{path}, data[{a}].paragraphs[{p}]"
+            check(para, {"context": str}, where)
+            for q, qa in enumerate(check(para, {"qas": [dict]}, where)["qas"] if "qas" in para else []):
+                at = f"{where}.qas[{q}]"
+                check(qa, {"question": str}, at)
+                if "answers" in qa:
+                    for i, answer in enumerate(check(qa, {"answers": [dict]}, at)["answers"]):
+                        check(answer, {"text": str}, f"{at}.answers[{i}]")
+    return articles
+
+
+def _check_hotpotqa(records: list[Any], path: Path) -> list[dict[str, Any]]:
+    """The records of a HotpotQA file, every field :func:`_read_hotpotqa` reads checked: ``context``
+    is a list of ``[title, [sentence, ...]]`` pairs, ``supporting_facts`` (optional) of
+    ``[title, sentence index]`` pairs."""
+    for i, r in enumerate(records):
+        where = f"{path}, [{i}]"
+        data_files.check_fields(r, {"question": str, "answer": str, "context": [list]}, where)
+        for j, pair in enumerate(r["context"]):
+            if len(pair) != 2 or not isinstance(pair[0], str) or not isinstance(pair[1], list) or not all(
+                    isinstance(s, str) for s in pair[1]):
+                raise data_files.DataFileError(f"{where}: field 'context'[{j}] must be [title, [sentence, ...]], "
+                                               f"got {str(pair)[:80]}")
+        for j, fact in enumerate(r.get("supporting_facts") or []):
+            if not isinstance(fact, list) or not fact or not isinstance(fact[0], str):
+                raise data_files.DataFileError(f"{where}: field 'supporting_facts'[{j}] must be [title, sentence "
+                                               f"index], got {str(fact)[:80]}")
+    return records
 
 
 def _hub_squad_articles() -> list[dict[str, Any]]:  # pragma: no cover - needs network
@@ -325,8 +362,7 @@ def _read_hotpotqa(root: Path | None) -> QAData:
     else:
         records = []
         for path in _json_files(root, "hotpotqa"):
-            with open(path, encoding="utf-8") as f:
-                records.extend(json.load(f))
+            records.extend(_check_hotpotqa(data_files.read_json(path, expect=list), path))
     records = [r for r in records if r["context"]]
     docs = sorted({f"{t}\n{''.join(p)}" for r in records for t, p in r["context"]})
     index = {c: i for i, c in enumerate(docs)}
