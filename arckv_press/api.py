@@ -174,6 +174,13 @@ class CompactionConfig:
             to it most (:mod:`arckv_press.compaction.witness`): without them, anchors picked for a
             planted needle get C_v fitted from queries that barely touch them (``docs/results.md``,
             "Why ARC-KV lost needles"). ``False`` = the budget rows only.
+        instruction_rows: fused pipeline: the repeat-prefill's instruction tokens (the repeat prompt
+            and the answer-turn suffix of its first chunk) are reference rows too, in the anchor
+            scores, the merge rows and every head's fit rows. They sit right after the document, as
+            every question does, and attend to its last part as questions do; the repeated copy's
+            rows sit a whole document further on and do not, so without them positions near the
+            end of the document are fitted for queries unlike the questions that read them.
+            ``False`` (default): the repeated document's rows only.
     """
 
     method: str = "arckv"
@@ -205,6 +212,7 @@ class CompactionConfig:
     score_shrink: float = 0.1
     fit_scope: str = "merged"
     anchor_search: str | None = None
+    instruction_rows: bool = False
 
     def __post_init__(self) -> None:
         lookup_method(self.method, ours=True)
@@ -244,6 +252,8 @@ class CompactionConfig:
         if self.merge_rows is not None and (isinstance(self.merge_rows, bool) or not isinstance(self.merge_rows, int)
                                             or self.merge_rows < 1):
             raise ValueError(f"merge_rows must be a positive int or None, got {self.merge_rows!r}")
+        if not isinstance(self.instruction_rows, bool):
+            raise TypeError(f"instruction_rows must be a bool, got {type(self.instruction_rows).__name__}")
         self.layer_method()  # validates lambda_m now, not after the prefill and repeat-prefill
 
     @property
@@ -269,12 +279,12 @@ _RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")
 _INDEXER_ONLY_FIELDS = ("indexer_rows", "score_rows", "score_shrink")  # options only the learned indexer's method reads  # never change a result (the indexer has its own id)
 _ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation", "min_head_fraction", "fit_witnesses",
                       "pipeline", "merge_rows", "max_head_multiple", "verbatim_fraction", "fit_scope",
-                      "anchor_search")
+                      "anchor_search", "instruction_rows")
 
 
 # options added after results were stored: they enter the id only when set to something else, so
 # the ids (and the stored rows) of the configurations that existed before stay valid
-_OMITTED_AT_DEFAULT = {"anchor_search": "scores", "score_rows": 512}
+_OMITTED_AT_DEFAULT = {"anchor_search": "scores", "score_rows": 512, "instruction_rows": False}
 # options only indexer_rows="corrected" reads (score_shrink entered the id with the ratio estimate,
 # so rows of the earlier additive estimate keep an id of their own)
 _CORRECTED_ONLY_FIELDS = ("score_shrink",)
@@ -569,15 +579,17 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
     cap = repeat_prefill_stats(model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, layers,
                                prefix_len, selector=pass_selector, pooling=config.pooling,
                                x_positions=score_pos if selector == "indexer" else None,
-                               chunk_size=config.repeat_chunk, progress=bar)
+                               chunk_size=config.repeat_chunk, progress=bar, instruction_rows=config.instruction_rows)
     if bar is not None:
         bar.close()
     timings["repeat_prefill"] = time.perf_counter() - t0
     timings["reference_stats"] = cap.stats_seconds  # part of repeat_prefill: the in-pass selection work
     queries = {i: group_queries_by_kv_head(torch.cat(cap.store.q.pop(i), dim=1)[None], H) for i in layers}
 
-    base_rows = grouped_rows(base_pos, T, G)
-    score_rows = grouped_rows(score_pos, T, G)
+    N = T + cap.n_instruction  # captured rows per query head: the repeated document, then the instruction
+    after = torch.arange(T, N)
+    base_rows = grouped_rows(torch.cat([base_pos, after]), N, G)
+    score_rows = grouped_rows(score_pos, N, G)
     t0 = time.perf_counter()
     scores = {}
     for i in layers:
@@ -602,7 +614,8 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
     merge_rows = None
     if config.merge_rows is not None:
         n_pos = max(1, config.merge_rows // G)
-        merge_rows = grouped_rows(base_pos[subsample_rows(base_pos.numel(), n_pos, config.seed + 1)], T, G)
+        merge_rows = grouped_rows(torch.cat([base_pos[subsample_rows(base_pos.numel(), n_pos, config.seed + 1)], after]),
+                                  N, G)
     results, n_rows = {}, 0
     bar = _progress(config, len(layers), f"compact ({config.method})", unit="layer")
     for li, i in enumerate(layers):

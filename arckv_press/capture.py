@@ -174,8 +174,12 @@ class StatsCapture:
     """
 
     def __init__(self, model, layers: list[int], prefix_len: int, doc_len: int, selector: str = "ha",
-                 pooling: str = "rms", x_positions: torch.Tensor | None = None, block: int = ReferenceStats.block):
+                 pooling: str = "rms", x_positions: torch.Tensor | None = None, block: int = ReferenceStats.block,
+                 instruction_rows: bool = False):
         self.model, self.layers = model, list(layers)
+        self.instruction_rows = bool(instruction_rows)
+        self.n_instruction = 0  # instruction rows appended after the document's rows (set by the first forward)
+        self._instruction: dict[int, tuple[torch.Tensor, float]] = {}
         self.block = check_positive_int(block, "block")  # query rows per statistics block
         self.prefix_len, self.doc_len = prefix_len, doc_len
         self.selector, self.pooling = selector, pooling
@@ -213,6 +217,29 @@ class StatsCapture:
         _ACTIVE.remove(self)
         self.model.set_attn_implementation(self._previous)
 
+    def add_instruction_rows(self, cache) -> None:
+        """Append the first forward's instruction rows (the repeat prompt and the answer-turn suffix,
+        which sit right after the document as every question does) to each layer's statistics, as
+        rows ``doc_len .. doc_len + n_instruction - 1``, and their queries to ``store.q``. Their
+        statistics are over the document only (as every row's), so they need only the document's
+        keys: ``cache`` holds the prefix and the document (restored after the pass)."""
+        lo, hi = self.prefix_len, self.prefix_len + self.doc_len
+        for idx, (q, scaling) in self._instruction.items():
+            stats = self.stats[idx]
+            keys, values = cache.layers[idx].keys[0, :, :hi], cache.layers[idx].values[0, :, :hi]
+            V_doc = values[:, lo:hi]
+            t0 = time.perf_counter()
+
+            def on_block(a, blk, stats=stats, V_doc=V_doc):
+                stats.update(self.doc_len + a, blk, V_doc)
+
+            split_attention(q, keys, values, (lo, hi), scaling, 0, stats.block, on_block=on_block,
+                            keep_logits=stats.needs_logits)
+            self.stats_seconds += time.perf_counter() - t0
+            Hkv, G, c, D = q.shape
+            self.store.q[idx].append(q.reshape(Hkv * G, c, D).to(self.store.q[idx][0].dtype))
+        self._instruction.clear()
+
     def _x_hook(self, layer_idx: int):
         def hook(module, args, kwargs):
             if self._rows is not None:
@@ -239,11 +266,16 @@ class StatsCapture:
         q = query[0].view(Hkv, G, c, D)
         idx = module.layer_idx
         stats = self.stats.get(idx)
-        if stats is None:
-            stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len, self.doc_len, value.shape[-1],
-                                                     self.selector, self.pooling, query.device, block=self.block)
-        V_doc = value[0, :, lo:hi]
         off = c - n
+        if stats is None:
+            if self.instruction_rows and start == 0:  # the first forward: its instruction follows the document
+                self.n_instruction = off
+            stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len + self.n_instruction, self.doc_len,
+                                                     value.shape[-1], self.selector, self.pooling, query.device,
+                                                     block=self.block)
+        if self.n_instruction and start == 0:
+            self._instruction[idx] = (q[:, :, :off].clone(), scaling)
+        V_doc = value[0, :, lo:hi]
         new = causal_part(q, key[0, :, hi:], value[0, :, hi:], scaling)     # None off the CPU: blockwise below
         cut = (lambda sl: None) if new is None else (lambda sl: (new[0][:, :, sl], new[1][:, :, sl]))
         parts = []
@@ -351,17 +383,22 @@ def repeat_prefill_stats(
     chunk_size: int = 2048,
     progress=None,
     block: int = ReferenceStats.block,
+    instruction_rows: bool = False,
 ) -> StatsCapture:
     """The repeat-prefill of :func:`repeat_prefill` capturing every document position, with the
     reference statistics of :mod:`arckv_press.compaction.stats` gathered by the forward's own
     attention (:class:`StatsCapture`). ``cache`` holds ``prefix_len`` prefix tokens and the document;
     it is restored afterwards. Returns the capture: ``stats[layer]`` and ``store`` (queries, and the
     ``q_proj`` inputs at ``x_positions``), rows in position order. ``block``: query rows per block
-    of the statistics (:class:`~arckv_press.compaction.stats.ReferenceStats`' default)."""
+    of the statistics (:class:`~arckv_press.compaction.stats.ReferenceStats`' default).
+    ``instruction_rows``: the first chunk's instruction tokens (the repeat prompt and the suffix),
+    which follow the document as a question does, are reference rows too, after the document's
+    (rows ``T .. T + capture.n_instruction - 1``; :meth:`StatsCapture.add_instruction_rows`)."""
     if cache.get_seq_length() != prefix_len + doc_ids.shape[-1]:
         raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, expected prefix {prefix_len} + "
                          f"document {doc_ids.shape[-1]}")
-    cap = StatsCapture(model, layers, prefix_len, doc_ids.shape[-1], selector, pooling, x_positions, block)
+    cap = StatsCapture(model, layers, prefix_len, doc_ids.shape[-1], selector, pooling, x_positions, block,
+                       instruction_rows)
     with cap:
         def forward(start: int, n: int, ids: torch.Tensor) -> None:
             cap.expect(start, n)
@@ -369,6 +406,7 @@ def repeat_prefill_stats(
             cap._rows = None
 
         _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward)
+    cap.add_instruction_rows(cache)
     for stats in cap.stats.values():
         stats.result()
     return cap
@@ -481,13 +519,11 @@ def check_document_text(text, name: str = "context") -> str:
 
 
 def special_token_ids(tokenizer) -> set[int]:
-    """Ids of the tokenizer's special tokens (chat control, BOS/EOS, ...) except the unknown token,
-    which ordinary text may produce."""
+    """Ids of the tokenizer's special tokens (chat control, BOS/EOS, the unknown token, ...)."""
     ids = set(getattr(tokenizer, "all_special_ids", None) or [])
     for idx, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
         if getattr(token, "special", False):
             ids.add(int(idx))
-    ids.discard(getattr(tokenizer, "unk_token_id", None))
     return ids
 
 
@@ -498,7 +534,11 @@ def encode_text(tokenizer, text: str, name: str = "document") -> list[int]:
     encodes to the same ids as before. A ``ValueError`` if the tokenizer still returns a special
     token id (one that ignores ``split_special_tokens``)."""
     ids = list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
-    leaked = sorted(set(ids) & special_token_ids(tokenizer))
+    leaked = set(ids) & special_token_ids(tokenizer)
+    unk = getattr(tokenizer, "unk_token", None)
+    if unk and unk not in text:  # the unknown token stands for characters the vocabulary lacks
+        leaked.discard(getattr(tokenizer, "unk_token_id", None))
+    leaked = sorted(leaked)
     if leaked:
         names = [tokenizer.convert_ids_to_tokens(i) for i in leaked]
         raise ValueError(f"the {name} spells the special tokens {names} and {type(tokenizer).__name__} encodes them "

@@ -11,36 +11,73 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Needle", "make_needle", "needle_context", "load_haystack", "default_haystack_path"]
+__all__ = ["Needle", "FRAMINGS", "make_needle", "haystack_for_seed", "needle_context", "load_haystack", "default_haystack_path"]
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 _CITIES = ["Paris", "Lisbon", "Nairobi", "Oslo", "Lima", "Hanoi", "Quito", "Dakar", "Riga", "Perth", "Seoul", "Accra"]
+_PLACES = ["north gate", "server room", "archive vault", "east warehouse", "boiler room", "west wing", "loading dock",
+           "records office", "garden shed", "control tower"]
+
+#: Needle framings: ``ruler`` (RULER's magic-number needle, its instruction before the haystack and
+#: its answer prefix) and ``pipeline`` (a fact as a user of kvpress's pipeline plants and asks it: an
+#: access code, a plain question and ``answer_prefix="Answer:"``, no instruction).
+FRAMINGS = ("ruler", "pipeline")
+_TEMPLATES = {
+    "ruler": (" The special magic number for {key} is {value}. ",
+              "What is the special magic number for {key} mentioned in the provided text?",
+              "The special magic number for {key} mentioned in the provided text is"),
+    "pipeline": (" The access code for the {key} is {value}.",
+                 "What is the access code for the {key}? Answer with the number only.",
+                 "Answer:"),
+}
 
 
 @dataclass(frozen=True)
 class Needle:
     key: str
     value: str
+    framing: str = "ruler"
+
+    def __post_init__(self) -> None:
+        if self.framing not in FRAMINGS:
+            raise ValueError(f"framing must be one of {FRAMINGS}, got {self.framing!r}")
 
     @property
     def sentence(self) -> str:
-        return f" The special magic number for {self.key} is {self.value}. "
+        return _TEMPLATES[self.framing][0].format(key=self.key, value=self.value)
 
     @property
     def question(self) -> str:
-        return f"What is the special magic number for {self.key} mentioned in the provided text?"
-
-    answer_prefix: str = "The special magic number for {key} mentioned in the provided text is"
+        return _TEMPLATES[self.framing][1].format(key=self.key)
 
     def prefix(self) -> str:
-        return self.answer_prefix.format(key=self.key)
+        """The answer prefix kvpress's pipeline appends after the question."""
+        return _TEMPLATES[self.framing][2].format(key=self.key)
 
 
-def make_needle(seed: int) -> Needle:
-    """A deterministic (city, 7-digit number) needle."""
+def make_needle(seed: int, framing: str = "ruler") -> Needle:
+    """A deterministic (key, 7-digit number) needle: a city for ``ruler``, a place for ``pipeline``."""
     rng = random.Random(seed)
-    return Needle(rng.choice(_CITIES), str(rng.randint(1_000_000, 9_999_999)))
+    keys = _CITIES if framing == "ruler" else _PLACES
+    return Needle(rng.choice(keys), str(rng.randint(1_000_000, 9_999_999)), framing)
+
+
+#: Characters between the haystacks of consecutive seeds in the ``pipeline`` framing (each seed reads
+#: other text; seeds 0-2 stay inside the essays' first 16,384 tokens, which the development split of
+#: the fidelity benchmark leaves out).
+SEED_STRIDE = 20_000
+
+
+def haystack_for_seed(haystack: str, seed: int) -> str:
+    """The haystack from the first sentence start at or after ``seed * SEED_STRIDE`` characters."""
+    start = seed * SEED_STRIDE
+    if start <= 0:
+        return haystack
+    if start >= len(haystack):
+        raise ValueError(f"seed {seed}: the haystack has only {len(haystack)} characters, {start} skipped")
+    dot = haystack.find(". ", start)
+    return haystack[dot + 2:] if dot != -1 else haystack[start:]
 
 
 def default_haystack_path() -> Path | None:

@@ -41,9 +41,9 @@ def test_needle_rows_of_another_indexer_checkpoint_or_config_are_left_out(tmp_pa
     needle.append_rows(path, rows, needle.FIELDS)
     needle.summary(path)  # arckv / arckv-ha: the current single row (correct), not the old one
     out = capsys.readouterr().out
-    for method in ("arckv ", "arckv-ha "):
-        line = next(line for line in out.splitlines() if line.startswith(method))
-        assert line.split()[3:5] == ["1", "1.00"]
+    for method in ("arckv", "arckv-ha"):  # rows without a framing column are RULER-framed
+        line = next(line for line in out.splitlines() if line.split()[:2] == ["ruler", method])
+        assert line.split()[4:6] == ["1", "1.00"]
 
 
 def test_indexer_flag_reaches_the_press_and_the_row_ids(tmp_path, monkeypatch):
@@ -183,8 +183,93 @@ def test_a_run_with_options_draws_and_summarises_its_own_rows_beside_the_default
                        needle.FIELDS)
     capsys.readouterr()
     needle.summary(mixed, opts)
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("arckv-ha "))
-    assert line.split()[3:5] == ["2", "1.00"]                  # the two option rows, both correct
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:2] == ["ruler", "arckv-ha"])
+    assert line.split()[4:6] == ["2", "1.00"]                  # the two option rows, both correct
     needle.summary(mixed)
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("arckv-ha "))
-    assert line.split()[3:5] == ["2", "0.00"]                  # the two default rows
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:2] == ["ruler", "arckv-ha"])
+    assert line.split()[4:6] == ["2", "0.00"]                  # the two default rows
+
+
+def test_needle_framings_keep_rulers_text_and_give_the_pipeline_its_own():
+    """The RULER framing's needle, question and answer prefix are the strings its stored rows were made
+    with; the pipeline framing plants an access code, asks a plain question and answers after
+    "Answer:"; both are deterministic per seed."""
+    import pytest
+
+    from arckv_press.haystack import Needle, haystack_for_seed, make_needle, SEED_STRIDE
+
+    ruler = make_needle(3)
+    assert ruler == make_needle(3, "ruler") and ruler.framing == "ruler"
+    assert ruler.sentence == f" The special magic number for {ruler.key} is {ruler.value}. "
+    assert ruler.question == f"What is the special magic number for {ruler.key} mentioned in the provided text?"
+    assert ruler.prefix() == f"The special magic number for {ruler.key} mentioned in the provided text is"
+    pipe = make_needle(3, "pipeline")
+    assert pipe == make_needle(3, "pipeline") and pipe.value == ruler.value  # same seed, same number
+    assert pipe.sentence == f" The access code for the {pipe.key} is {pipe.value}."
+    assert pipe.question == f"What is the access code for the {pipe.key}? Answer with the number only."
+    assert pipe.prefix() == "Answer:"
+    with pytest.raises(ValueError, match="framing"):
+        Needle("x", "1", "chat")
+    text = "".join(f"Sentence number {i} is here. " for i in range(5000))
+    assert haystack_for_seed(text, 0) == text
+    one = haystack_for_seed(text, 1)
+    assert one.startswith("Sentence number ") and text.endswith(one) and len(text) - len(one) >= SEED_STRIDE
+    assert len(text) - len(one) < SEED_STRIDE + 40  # the first sentence start after the stride
+    with pytest.raises(ValueError, match="characters"):
+        haystack_for_seed(text, len(text) // SEED_STRIDE + 1)
+
+
+def test_old_needle_csv_gains_the_framing_column_unchanged_otherwise(tmp_path):
+    import csv
+
+    needle = load_script("needle")
+    path = tmp_path / "needle.csv"
+    old_fields = [f for f in needle.FIELDS if f != "framing"]
+    rows = [{f: f"{f}{i}" for f in old_fields} for i in range(3)]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=old_fields)
+        w.writeheader()
+        w.writerows(rows)
+    needle.migrate_csv(path)
+    got = needle.read_rows(path)
+    assert list(got[0]) == needle.FIELDS
+    assert got == [{**r, "framing": "ruler"} for r in rows]
+    before = path.read_bytes()
+    needle.migrate_csv(path)  # already migrated: left alone
+    assert path.read_bytes() == before
+    assert list(tmp_path.iterdir()) == [path]  # no partial left behind
+
+
+def test_depth_table_counts_every_case_of_each_depth():
+    """Each cell is found / cases over every length and seed of that depth (brute-force count), the
+    full cache comes first, other kept fractions and framings are left out, and a loss at one depth
+    shows in its own column."""
+    import random
+
+    needle = load_script("needle")
+    rng = random.Random(0)
+    rows = []
+    for method, ratio in (("none", "1"), ("arckv", "0.1"), ("snapkv", "0.1"), ("arckv", "0.2")):
+        for depth in ("0.1", "0.9"):
+            for length in ("1000", "1500"):
+                for seed in "012":
+                    for framing in ("pipeline", "ruler"):
+                        correct = int(rng.random() < 0.6) if not (method == "arckv" and depth == "0.9") else 0
+                        rows.append({"method": method, "ratio": ratio, "depth": depth, "length": length, "seed": seed,
+                                     "framing": framing, "correct": str(correct)})
+    table = needle.depth_table(rows, 0.1, "pipeline")
+    lines = table.splitlines()
+    assert lines[0] == "| method | 10% | 90% | all |"
+    body = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in lines[2:] if line.startswith("| ")}
+    assert list(body) == ["full cache", "`arckv`", "`snapkv`"]
+
+    def count(method, ratio, depth):
+        sel = [int(r["correct"]) for r in rows if r["method"] == method and r["ratio"] == ratio
+               and r["framing"] == "pipeline" and (depth is None or r["depth"] == depth)]
+        return f"{sum(sel)}/{len(sel)}"
+
+    for name, method, ratio in (("full cache", "none", "1"), ("`arckv`", "arckv", "0.1"), ("`snapkv`", "snapkv", "0.1")):
+        assert body[name][:2] == [count(method, ratio, "0.1"), count(method, ratio, "0.9")]
+        assert body[name][2] == count(method, ratio, None) + " |"
+    assert body["`arckv`"][1] == "0/6"
+    assert "lengths 1K, 1.5K" in table

@@ -390,3 +390,63 @@ def test_heads_over_verbatim_fraction_keep_their_anchors_as_they_are():
         torch.testing.assert_close(getattr(got, name)[0], getattr(fitted, name)[0])
     with pytest.raises(ValueError, match="verbatim_fraction"):
         LayerMethod("arckv-ha", verbatim_fraction=0.0)
+
+
+def test_instruction_rows_equal_brute_force_attention_over_the_document(tiny_model, tiny_tokenizer):
+    """``instruction_rows=True`` appends the first chunk's instruction rows (repeat prompt + suffix)
+    after the document's: their queries equal the model's own queries at those tokens (captured by an
+    independent forward pre-hook), their row statistics equal softmax attention over the document
+    keys (float64 brute force), the pooled HA scores equal ha_scores over every row, and the
+    document's rows are exactly those of the pass without them."""
+    from arckv_press.capture import (REPEAT_PROMPT, CapturedQueries, QueryCapture, encode_document, framing_for,
+                                     prefill, repeat_prefill_stats)
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    ids, P = encode_document(tok, "a short document about the north gate and its code " * 4)
+    T = ids.shape[1] - P
+    suffix = framing_for(tok).suffix_ids
+    instruction = tok.encode(REPEAT_PROMPT, add_special_tokens=False) + suffix
+    with torch.no_grad():
+        cache = prefill(model, ids)
+        args = (model, tok, cache, ids[:, P:], suffix, [0, 1], P, "ha", "rms", None, 16)
+        plain = repeat_prefill_stats(*args)
+        cap = repeat_prefill_stats(*args, instruction_rows=True)
+        store = CapturedQueries()  # the instruction tokens' queries, by the plain pre-hook capture
+        with QueryCapture(model, [0, 1], store) as qc:
+            prefill(model, torch.tensor([instruction]), cache, qc, rows=torch.arange(len(instruction)))
+    assert plain.n_instruction == 0 and cap.n_instruction == len(instruction)
+    n = len(instruction)
+    for i in (0, 1):
+        st, st0 = cap.stats[i], plain.stats[i]
+        assert (st.N, st.T, st0.N) == (T + n, T, T)
+        q = torch.cat(cap.store.q[i], 1)
+        torch.testing.assert_close(q[:, T:], store.q[i][0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(q[:, :T], torch.cat(plain.store.q[i], 1))
+        for name in ("row_max", "row_lse", "row_out"):
+            assert torch.equal(getattr(st, name)[:, :, :T], getattr(st0, name))
+        Q = group_queries_by_kv_head(q[None], model.config.num_key_value_heads).double()
+        K = cache.layers[i].keys[0, :, P:P + T].double()  # the capture forward appended the instruction
+        V = cache.layers[i].values[0, :, P:P + T].double()
+        scaling = float(model.model.layers[i].self_attn.scaling)
+        L = scaling * Q @ K.transpose(1, 2)
+        G = st.G
+        rows = grouped_rows(torch.arange(T, T + n), T + n, G)
+        torch.testing.assert_close(st.rows("row_lse")[:, rows].double(), torch.logsumexp(L, -1)[:, rows], atol=1e-5, rtol=0)
+        torch.testing.assert_close(st.rows("row_max")[:, rows].double(), L.amax(-1)[:, rows], atol=1e-5, rtol=0)
+        torch.testing.assert_close(st.rows("row_out")[:, rows].double(), (torch.softmax(L, -1) @ V)[:, rows],
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(st.scores.double(), torch.softmax(L, -1).square().mean(1).sqrt(), atol=1e-6, rtol=1e-4)
+        assert not torch.allclose(st.scores, st0.scores)  # the instruction rows do count
+
+
+def test_instruction_rows_off_is_the_former_config_id():
+    """The option off (the default) keeps every stored ARC-KV id; on, it is an id of its own."""
+    from arckv_press.api import CompactionConfig, config_id
+
+    for method in ("arckv", "arckv-ha"):
+        off = CompactionConfig(method=method)
+        assert config_id(off) == config_id(CompactionConfig(method=method, instruction_rows=False))
+        assert config_id(off) != config_id(CompactionConfig(method=method, instruction_rows=True))
+    assert config_id(CompactionConfig(method="am-omp")) == config_id(CompactionConfig(method="am-omp", instruction_rows=True))
+    with pytest.raises(TypeError, match="instruction_rows"):
+        CompactionConfig(instruction_rows=1)

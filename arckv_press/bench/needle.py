@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from arckv_press.bench import ROOT
+from arckv_press.haystack import FRAMINGS
 from arckv_press.runinfo import (
     CurrentIds,
     add_option_argument,
@@ -69,7 +70,7 @@ DEFAULT_METHODS = (
 QUICK = dict(methods=("arckv-ha", "am-omp-fast", "snapkv"), ratios=(0.1,), lengths=(1000, 2000), depths=(0.0, 0.5, 1.0))
 MAX_NEW_TOKENS = 12
 FIELDS = [
-    "method", "ratio", "length", "depth", "seed", "context_tokens", "needle", "answer", "correct",
+    "method", "ratio", "length", "depth", "seed", "framing", "context_tokens", "needle", "answer", "correct",
     "compaction_s", "answer_s", "cache_bytes", "masked", "indexer", "config_id", "model", "command", "date", "package_version", "machine",
 ]
 
@@ -81,8 +82,33 @@ def parse_unit(text: str) -> float:
     return value
 
 
-def case_key(method: str, ratio, length, depth, seed) -> tuple:
-    return (method, round(float(ratio), 6), int(length), round(float(depth), 6), int(seed))
+def case_key(method: str, ratio, length, depth, seed, framing="ruler") -> tuple:
+    return (method, round(float(ratio), 6), int(length), round(float(depth), 6), int(seed), framing or "ruler")
+
+
+def migrate_csv(path: Path) -> None:
+    """Give a needle CSV written before the ``framing`` column that column (its rows are all RULER-framed),
+    rewriting it atomically with the current :data:`FIELDS`; a CSV that has it is left alone."""
+    import csv
+    import os
+    import tempfile
+
+    rows = read_rows(path)
+    if not rows or "framing" in rows[0]:
+        return
+    missing = [f for f in FIELDS if f not in rows[0] and f != "framing"]
+    if missing:
+        raise ValueError(f"{path}: cannot add the framing column, the CSV also lacks {missing}")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS)
+            writer.writeheader()
+            writer.writerows({**r, "framing": "ruler"} for r in rows)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 class TimedPress:
@@ -156,15 +182,16 @@ def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, in
 
 def build_cases(args) -> list[tuple]:
     cases = []
-    for length in args.lengths:
-        for depth in args.depths:
-            for seed in args.seeds:
-                if args.full_cache:
-                    cases.append(("none", 1.0, length, depth, seed))
-                for ratio in args.ratios:
-                    for method in args.methods:
-                        if method != "none":
-                            cases.append((method, ratio, length, depth, seed))
+    for framing in args.framings:
+        for length in args.lengths:
+            for depth in args.depths:
+                for seed in args.seeds:
+                    if args.full_cache:
+                        cases.append(("none", 1.0, length, depth, seed, framing))
+                    for ratio in args.ratios:
+                        for method in args.methods:
+                            if method != "none":
+                                cases.append((method, ratio, length, depth, seed, framing))
     return cases
 
 
@@ -174,14 +201,15 @@ def run(args, meta: dict) -> None:
     from transformers import pipeline
 
     from arckv_press.cli import RULER_INSTRUCTION
-    from arckv_press.haystack import load_haystack, make_needle, needle_context
+    from arckv_press.haystack import haystack_for_seed, load_haystack, make_needle, needle_context
     from arckv_press.methods import METHODS
     from arckv_press.models import load_model, model_id
 
     model, tok = load_model(args.model)
     mid = model_id(model)
     ids = CurrentIds(mid, args.options, args.indexer)
-    done = {case_key(r["method"], r["ratio"], r["length"], r["depth"], r["seed"]) for r in read_rows(args.out)
+    migrate_csv(args.out)
+    done = {case_key(r["method"], r["ratio"], r["length"], r["depth"], r["seed"], r["framing"]) for r in read_rows(args.out)
             if r["method"] in {*args.methods, "none"} and ids.matches(r)}  # a new checkpoint or default reruns its methods
     todo = [c for c in build_cases(args) if case_key(*c) not in done]
     print(f"{len(todo)} cases to run, {len(build_cases(args)) - len(todo)} already in {args.out}", flush=True)
@@ -196,14 +224,17 @@ def run(args, meta: dict) -> None:
     instruction_len = len(tok.encode(RULER_INSTRUCTION, add_special_tokens=False))
     contexts: dict[tuple, tuple] = {}
     bar = tqdm(todo, unit="case", dynamic_ncols=True)
-    for method, ratio, length, depth, seed in bar:
-        bar.set_description(f"{method} rho={ratio:g} {length} tok depth={depth:g}")
-        if (length, depth, seed) not in contexts:
+    for method, ratio, length, depth, seed, framing in bar:
+        bar.set_description(f"{framing} {method} rho={ratio:g} {length} tok depth={depth:g}")
+        if (length, depth, seed, framing) not in contexts:
             contexts.clear()
-            needle = make_needle(seed)
-            text = RULER_INSTRUCTION + needle_context(tok, haystack, length - instruction_len, depth, needle)
-            contexts[(length, depth, seed)] = (text, needle, len(tok.encode(text, add_special_tokens=False)))
-        text, needle, n_ctx = contexts[(length, depth, seed)]
+            needle = make_needle(seed, framing)
+            if framing == "ruler":  # RULER's instruction, the essays from their start for every seed
+                text = RULER_INSTRUCTION + needle_context(tok, haystack, length - instruction_len, depth, needle)
+            else:  # no instruction; each seed reads other text
+                text = needle_context(tok, haystack_for_seed(haystack, seed), length, depth, needle)
+            contexts[(length, depth, seed, framing)] = (text, needle, len(tok.encode(text, add_special_tokens=False)))
+        text, needle, n_ctx = contexts[(length, depth, seed, framing)]
         torch.manual_seed(seed)
         try:
             result = run_case(pipe, model, tok, method, ratio, text, needle, args.indexer, args.options)
@@ -211,17 +242,24 @@ def run(args, meta: dict) -> None:
             tqdm.write(f"skipped {method} rho={ratio:g} length={length} depth={depth:g}: {err}")
             continue
         row = {"method": method, "ratio": f"{ratio:g}", "length": length, "depth": f"{depth:g}", "seed": seed,
+               "framing": framing,
                "context_tokens": n_ctx, "needle": needle.value, **result, **ids(method, ratio), "model": mid, **meta}
         append_rows(args.out, [row], FIELDS)
         mark = "OK" if result["correct"] else "--"
-        tqdm.write(f"{mark} {method:<19} rho={ratio:<5g} {length:>5} tok depth={depth:<4g} seed={seed} "
+        tqdm.write(f"{mark} {framing:<8} {method:<19} rho={ratio:<5g} {length:>5} tok depth={depth:<4g} seed={seed} "
                    f"{float(result['compaction_s']):7.1f} s  {result['answer']!r}")
 
 
 # ------------------------------------------------------------------------------------ plots
 
 
-def plot(csv_path: Path, out_dir: Path, options: dict | None = None, indexer: str | None = None) -> list[Path]:
+def framing_of(row: dict) -> str:
+    """A row's needle framing (rows written before the column existed are RULER-framed)."""
+    return row.get("framing") or "ruler"
+
+
+def plot(csv_path: Path, out_dir: Path, options: dict | None = None, indexer: str | None = None,
+         framing: str = "ruler") -> list[Path]:
     """One heat-map figure per kept fraction (full cache shown as the first panel of each), named
     after the CSV (``needle.csv`` -> ``needle_rho0.1.png``), of the rows made with the current
     defaults or, when given, the ``--option`` fields ``options`` and ``--indexer`` checkpoint."""
@@ -235,9 +273,9 @@ def plot(csv_path: Path, out_dir: Path, options: dict | None = None, indexer: st
     if not rows:
         print(f"nothing to plot: {csv_path} has no rows")
         return []
-    rows = current_rows(rows, rows[-1]["model"], options, indexer)
+    rows = [r for r in current_rows(rows, rows[-1]["model"], options, indexer) if framing_of(r) == framing]
     if not rows:
-        print(f"nothing to plot: {csv_path} has no rows made with these options")
+        print(f"nothing to plot: {csv_path} has no {framing}-framed rows made with these options")
         return []
     acc: dict[tuple, list[int]] = defaultdict(list)
     masked: set[str] = set()
@@ -284,8 +322,10 @@ def plot(csv_path: Path, out_dir: Path, options: dict | None = None, indexer: st
             ax.axis("off")
         if image is not None:
             fig.colorbar(image, ax=axes, shrink=0.8, label="exact retrieval")
-        fig.suptitle(f"Needle in a haystack, kept fraction rho = {ratio:g} ({model}; grey: not run)", fontsize=10)
-        path = out_dir / f"{csv_path.stem}_rho{ratio:g}.png"
+        fig.suptitle(f"Needle in a haystack ({framing} framing), kept fraction rho = {ratio:g} ({model}; grey: not run)",
+                     fontsize=10)
+        stem = csv_path.stem if framing == "ruler" else f"{csv_path.stem}_{framing}"
+        path = out_dir / f"{stem}_rho{ratio:g}.png"
         fig.savefig(path, dpi=130)
         plt.close(fig)
         written.append(path)
@@ -299,15 +339,55 @@ def summary(csv_path: Path, options: dict | None = None, indexer: str | None = N
     rows = current_rows(rows, rows[-1]["model"], options, indexer) if rows else rows
     by: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        by[(r["method"], float(r["ratio"]), int(r["length"]))].append(r)
-    print(f"\n{'method':<20}{'rho':>6}{'length':>8}{'cases':>7}{'accuracy':>10}{'median s':>10}{'MiB (med)':>11}")
-    for (method, ratio, length), rs in sorted(by.items(), key=lambda kv: (-kv[0][1], kv[0][0], kv[0][2])):
+        by[(framing_of(r), r["method"], float(r["ratio"]), int(r["length"]))].append(r)
+    print(f"\n{'framing':<10}{'method':<20}{'rho':>6}{'length':>8}{'cases':>7}{'accuracy':>10}{'median s':>10}{'MiB (med)':>11}")
+    for (framing, method, ratio, length), rs in sorted(by.items(), key=lambda kv: (kv[0][0], -kv[0][2], kv[0][1], kv[0][3])):
         secs = sorted(float(r["compaction_s"]) for r in rs)
         mib = sorted(int(r["cache_bytes"]) / 2**20 for r in rs)
         note = "  masked: holds the full cache" if any(r["masked"] == "1" for r in rs) else ""
-        print(f"{method:<20}{ratio:>6g}{length:>8}{len(rs):>7}{sum(int(r['correct']) for r in rs) / len(rs):>10.2f}"
+        print(f"{framing:<10}{method:<20}{ratio:>6g}{length:>8}{len(rs):>7}{sum(int(r['correct']) for r in rs) / len(rs):>10.2f}"
               f"{secs[len(secs) // 2]:>10.1f}{mib[len(mib) // 2]:>11.2f}{note}")
     print("(seconds: prefill + compression inside `with press(model)`; for none the prefill alone)")
+
+
+def depth_table(rows: list[dict], ratio: float, framing: str) -> str:
+    """Markdown recall by needle depth at kept fraction ``ratio``: one row per method (the full cache
+    first), one column per depth, each cell ``found/cases`` over every length and seed of that depth,
+    so that a weakness at one depth cannot hide in a total. ``rows``: current rows (:func:`current_rows`)."""
+    order = {name: i for i, name in enumerate(("none",) + DEFAULT_METHODS)}
+    cells: dict[tuple[str, float], list[int]] = defaultdict(list)
+    lengths: set[int] = set()
+    for r in rows:
+        if framing_of(r) != framing or (r["method"] != "none" and not math.isclose(float(r["ratio"]), ratio)):
+            continue
+        cells[(r["method"], float(r["depth"]))].append(int(r["correct"]))
+        lengths.add(int(r["length"]))
+    if not cells:
+        return f"(no {framing}-framed rows at keep {ratio:g})\n"
+    depths = sorted({d for _, d in cells})
+    methods = sorted({m for m, _ in cells}, key=lambda m: (order.get(m, 99), m))
+    lines = ["| method | " + " | ".join(f"{100 * d:g}%" for d in depths) + " | all |",
+             "|---|" + "---:|" * (len(depths) + 1)]
+    for m in methods:
+        got = [cells.get((m, d), []) for d in depths]
+        total = [x for g in got for x in g]
+        name = "full cache" if m == "none" else f"`{m}`"
+        lines.append(f"| {name} | " + " | ".join(f"{sum(g)}/{len(g)}" if g else "-" for g in got)
+                     + f" | {sum(total)}/{len(total)} |")
+    span = ", ".join(f"{n / 1000:g}K" for n in sorted(lengths))
+    return "\n".join(lines) + f"\n\n({framing} framing, keep {ratio:g}; lengths {span}; cells: needles found / cases)\n"
+
+
+def write_depth_tables(csv_path: Path, out: Path, options: dict | None = None, indexer: str | None = None) -> None:
+    """Write the recall-by-depth tables of every framing and kept fraction of ``csv_path``'s current rows."""
+    rows = read_rows(csv_path)
+    rows = current_rows(rows, rows[-1]["model"], options, indexer) if rows else rows
+    parts = [f"# Needle recall by depth\n\nGenerated by `python scripts/needle.py --plot-only --depth-table {out.name}` "
+             f"from `{csv_path.name}` ({rows[-1]['model'] if rows else 'no rows'}, current defaults); do not edit.\n"]
+    for framing in sorted({framing_of(r) for r in rows}):
+        for ratio in sorted({float(r["ratio"]) for r in rows if r["method"] != "none"}, reverse=True):
+            parts.append(f"## {framing} framing, keep {100 * ratio:g}%\n\n" + depth_table(rows, ratio, framing))
+    out.write_text("\n".join(parts), encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", nargs="+", type=parse_length, default=None, help="context tokens (default 1K 2K 4K 8K)")
     p.add_argument("--depths", nargs="+", type=parse_unit, default=None, help="needle depths (default 0 .25 .5 .75 1)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="needle seeds (default 0)")
+    p.add_argument("--framings", nargs="+", choices=FRAMINGS, default=["ruler"],
+                   help="needle framings: ruler (RULER's instruction and answer prefix; default) and/or pipeline "
+                        "(an access code, a plain question, answer_prefix='Answer:', another haystack per seed)")
+    p.add_argument("--depth-table", type=Path, default=None,
+                   help="also write the recall-by-depth tables (markdown) of the CSV's current rows to this file")
     p.add_argument("--quick", action="store_true",
                    help="small grid: arckv-ha, am-omp-fast, snapkv at rho 0.1, 1K and 2K, depths 0 .5 1")
     p.add_argument("--no-full-cache", dest="full_cache", action="store_false", help="do not run method none")
@@ -348,8 +433,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.plot_only:
         run(args, run_meta())
     (args.out.parent / "plots").mkdir(parents=True, exist_ok=True)
-    for path in plot(args.out, args.out.parent / "plots", args.options, args.indexer):
-        print(f"wrote {path}")
+    for framing in FRAMINGS:
+        for path in plot(args.out, args.out.parent / "plots", args.options, args.indexer, framing):
+            print(f"wrote {path}")
+    if args.depth_table is not None:
+        write_depth_tables(args.out, args.depth_table, args.options, args.indexer)
+        print(f"wrote {args.depth_table}")
     summary(args.out, args.options, args.indexer)
     return 0
 
