@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Needle", "FRAMINGS", "make_needle", "haystack_for_seed", "needle_context", "load_haystack", "default_haystack_path"]
+__all__ = ["Needle", "FRAMINGS", "make_needle", "load_articles", "article_for_seed", "needle_context", "load_haystack", "default_haystack_path"]
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -21,7 +21,8 @@ _PLACES = ["north gate", "server room", "archive vault", "east warehouse", "boil
 
 #: Needle framings: ``ruler`` (RULER's magic-number needle, its instruction before the haystack and
 #: its answer prefix) and ``pipeline`` (a fact as a user of kvpress's pipeline plants and asks it: an
-#: access code, a plain question and ``answer_prefix="Answer:"``, no instruction).
+#: access code, a plain question and ``answer_prefix="Answer:"``, no instruction, in articles:
+#: :func:`load_articles`).
 FRAMINGS = ("ruler", "pipeline")
 _TEMPLATES = {
     "ruler": (" The special magic number for {key} is {value}. ",
@@ -63,23 +64,6 @@ def make_needle(seed: int, framing: str = "ruler") -> Needle:
     return Needle(rng.choice(keys), str(rng.randint(1_000_000, 9_999_999)), framing)
 
 
-#: Characters between the haystacks of consecutive seeds in the ``pipeline`` framing (each seed reads
-#: other text; seeds 0-2 stay inside the essays' first 16,384 tokens, which the development split of
-#: the fidelity benchmark leaves out).
-SEED_STRIDE = 20_000
-
-
-def haystack_for_seed(haystack: str, seed: int) -> str:
-    """The haystack from the first sentence start at or after ``seed * SEED_STRIDE`` characters."""
-    start = seed * SEED_STRIDE
-    if start <= 0:
-        return haystack
-    if start >= len(haystack):
-        raise ValueError(f"seed {seed}: the haystack has only {len(haystack)} characters, {start} skipped")
-    dot = haystack.find(". ", start)
-    return haystack[dot + 2:] if dot != -1 else haystack[start:]
-
-
 def default_haystack_path() -> Path | None:
     """``../shared/data/ruler/pg_essays.txt`` relative to the working directory, if present."""
     for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
@@ -97,6 +81,45 @@ def load_haystack(path: str | Path | None) -> str:
     if not path.exists():
         raise FileNotFoundError(f"haystack file not found: {path}")
     return path.read_text(encoding="utf-8")
+
+
+def default_articles_path() -> Path | None:
+    """``../shared/data/quality/leval_quality.jsonl`` (relative to the working directory or the checkout), if present."""
+    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        path = base.parent / "shared" / "data" / "quality" / "leval_quality.jsonl"
+        if path.exists():
+            return path
+    return None
+
+
+def load_articles(path: str | Path | None = None) -> list[str]:
+    """The articles of a JSON-lines file with an ``input`` text per line (QuALITY's, by default): the
+    ``pipeline`` framing's haystacks, one article per seed (:func:`article_for_seed`)."""
+    import json
+
+    path = Path(path) if path else default_articles_path()
+    if path is None or not path.exists():
+        raise FileNotFoundError(f"articles file not found: {path or 'shared/data/quality/leval_quality.jsonl'}")
+    articles = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}, line {number}: not JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("input"), str) or not record["input"].strip():
+                raise ValueError(f"{path}, line {number}: no 'input' article text")
+            articles.append(record["input"])
+    if not articles:
+        raise ValueError(f"{path}: no articles")
+    return articles
+
+
+def article_for_seed(articles: list[str], seed: int) -> str:
+    """Seed ``s`` reads article ``s`` (cyclically), so each seed's needle sits in another text."""
+    return articles[seed % len(articles)]
 
 
 def needle_context(tokenizer, haystack: str, n_tokens: int, depth: float, needle: Needle) -> str:

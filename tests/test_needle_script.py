@@ -196,7 +196,7 @@ def test_needle_framings_keep_rulers_text_and_give_the_pipeline_its_own():
     "Answer:"; both are deterministic per seed."""
     import pytest
 
-    from arckv_press.haystack import Needle, haystack_for_seed, make_needle, SEED_STRIDE
+    from arckv_press.haystack import Needle, article_for_seed, load_articles, make_needle
 
     ruler = make_needle(3)
     assert ruler == make_needle(3, "ruler") and ruler.framing == "ruler"
@@ -210,13 +210,25 @@ def test_needle_framings_keep_rulers_text_and_give_the_pipeline_its_own():
     assert pipe.prefix() == "Answer:"
     with pytest.raises(ValueError, match="framing"):
         Needle("x", "1", "chat")
-    text = "".join(f"Sentence number {i} is here. " for i in range(5000))
-    assert haystack_for_seed(text, 0) == text
-    one = haystack_for_seed(text, 1)
-    assert one.startswith("Sentence number ") and text.endswith(one) and len(text) - len(one) >= SEED_STRIDE
-    assert len(text) - len(one) < SEED_STRIDE + 40  # the first sentence start after the stride
-    with pytest.raises(ValueError, match="characters"):
-        haystack_for_seed(text, len(text) // SEED_STRIDE + 1)
+    assert article_for_seed(["a", "b", "c"], 4) == "b"
+
+
+def test_articles_file_errors_name_the_file_and_line(tmp_path):
+    import pytest
+
+    from arckv_press.haystack import load_articles
+
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"input": "first article"}\n\n{"input": "second"}\n', encoding="utf-8")
+    assert load_articles(path) == ["first article", "second"]
+    path.write_text('{"input": "first"}\n{"input": \n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"a\.jsonl, line 2: not JSON"):
+        load_articles(path)
+    path.write_text('{"input": "first"}\n{"text": "x"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"line 2: no 'input' article text"):
+        load_articles(path)
+    with pytest.raises(FileNotFoundError):
+        load_articles(tmp_path / "missing.jsonl")
 
 
 def test_old_needle_csv_gains_the_framing_column_unchanged_otherwise(tmp_path):

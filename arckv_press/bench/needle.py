@@ -201,7 +201,7 @@ def run(args, meta: dict) -> None:
     from transformers import pipeline
 
     from arckv_press.cli import RULER_INSTRUCTION
-    from arckv_press.haystack import haystack_for_seed, load_haystack, make_needle, needle_context
+    from arckv_press.haystack import article_for_seed, load_articles, load_haystack, make_needle, needle_context
     from arckv_press.methods import METHODS
     from arckv_press.models import load_model, model_id
 
@@ -221,6 +221,7 @@ def run(args, meta: dict) -> None:
         return
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok)
     haystack = load_haystack(args.haystack)
+    articles = load_articles(args.articles) if "pipeline" in args.framings else []
     instruction_len = len(tok.encode(RULER_INSTRUCTION, add_special_tokens=False))
     contexts: dict[tuple, tuple] = {}
     bar = tqdm(todo, unit="case", dynamic_ncols=True)
@@ -231,8 +232,8 @@ def run(args, meta: dict) -> None:
             needle = make_needle(seed, framing)
             if framing == "ruler":  # RULER's instruction, the essays from their start for every seed
                 text = RULER_INSTRUCTION + needle_context(tok, haystack, length - instruction_len, depth, needle)
-            else:  # no instruction; each seed reads other text
-                text = needle_context(tok, haystack_for_seed(haystack, seed), length, depth, needle)
+            else:  # no instruction; each seed reads another article
+                text = needle_context(tok, article_for_seed(articles, seed), length, depth, needle)
             contexts[(length, depth, seed, framing)] = (text, needle, len(tok.encode(text, add_special_tokens=False)))
         text, needle, n_ctx = contexts[(length, depth, seed, framing)]
         torch.manual_seed(seed)
@@ -402,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="needle seeds (default 0)")
     p.add_argument("--framings", nargs="+", choices=FRAMINGS, default=["ruler"],
                    help="needle framings: ruler (RULER's instruction and answer prefix; default) and/or pipeline "
-                        "(an access code, a plain question, answer_prefix='Answer:', another haystack per seed)")
+                        "(an access code, a plain question, answer_prefix='Answer:', in one article per seed of --articles)")
+    p.add_argument("--articles", default=None,
+                   help="JSON lines with an 'input' article each, the pipeline framing's haystacks (default: QuALITY's)")
     p.add_argument("--depth-table", type=Path, default=None,
                    help="also write the recall-by-depth tables (markdown) of the CSV's current rows to this file")
     p.add_argument("--quick", action="store_true",
