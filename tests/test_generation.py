@@ -23,15 +23,19 @@ def _state(cache):
 @pytest.mark.parametrize("method, ratio", [("arckv-ha", 0.3), ("am-omp-fast", 0.3), ("arckv-ha", 1.0)])
 def test_answer_many_equals_answer_one_by_one(tiny_model, tiny_tokenizer, family, init, method, ratio):
     model = tiny_model(family, num_layers=2, initializer_range=init)
-    tok = tiny_tokenizer(chat_template=False)  # no framing after the question: answers follow it
+    tok = tiny_tokenizer(chat_template=False)  # the completion framing: "Question: ...\nAnswer: <prefix>"
     model.generation_config.eos_token_id = 2
+    # one answer prefix per question: a random tiny Gemma echoes the last token, and "Answer:" ends
+    # every question alike
+    prefixes = ["It", "Then", "Maybe so", "A"]
     with torch.inference_mode():
         cache = compact(model, tok, make_text(600, seed=3), method=method, ratio=ratio)
     before = _state(cache)
     with compact_attention(model):
-        batched = answer_many(model, tok, cache, QUESTIONS, max_new_tokens=7, batch_size=3)  # batches of 3 and 1
+        batched = answer_many(model, tok, cache, QUESTIONS, max_new_tokens=7, answer_prefix=prefixes,
+                              batch_size=3)  # batches of 3 and 1
         assert _state(cache) == before  # restored: batch 1, no appended tokens
-        single = [answer(model, tok, cache, q, 7) for q in QUESTIONS]
+        single = [answer(model, tok, cache, q, 7, a) for q, a in zip(QUESTIONS, prefixes)]
     assert batched == single
     assert len(set(single)) > 1  # the questions really lead to different answers
 
