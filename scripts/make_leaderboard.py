@@ -1,4 +1,5 @@
-"""Turn evaluation outputs into ``leaderboards/leaderboard.csv`` and PNG plots.
+"""Rebuild ``leaderboards/leaderboard.csv``, ``comparisons.csv``, the plots and every generated doc
+block from the sources that ``leaderboards/sources.toml`` declares.
 
 The logic lives in :mod:`arckv_press.bench.make_leaderboard`; ``--help`` lists the options.
 """

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .make_leaderboard import examples_of, read_results
+from .leaderboard.intervals import examples_of
+from .leaderboard.readers import read_results
 
 __all__ = ["compare", "main"]
 

@@ -1,0 +1,121 @@
+"""The doc blocks generated from ``leaderboard.csv``: the README's headline table and its
+best-at-keep-10% list, and one table per benchmark (``docs/results.md``). No number in them is
+typed by hand."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from arckv_press.bench.uncertainty import paired_comparison
+from arckv_press.methods import METHOD_NAMES
+
+from .intervals import examples_of
+from .table import REFERENCE_METHODS, fmt_ratio, num
+
+__all__ = ["HEADLINE_RATIOS", "BEST_RATIO", "headline_markdown", "best_markdown", "benchmark_markdown"]
+
+HEADLINE_RATIOS = (0.2, 0.1, 0.05)
+BEST_RATIO = 0.1
+
+
+def _value(r: dict | None, kind: str) -> str:
+    """One value of a cell: needles found ``k/n``, a score or compaction seconds; ``-`` if none."""
+    x = None if r is None else num(r.get("compaction_seconds") if kind == "time" else r["score"])
+    if x is None:
+        return "-"
+    if kind == "needle":
+        n = int(float(r["n_examples"]))
+        return f"{round(x * n)}/{n}"
+    return f"{x:.1f}" if kind == "time" else f"{x:.2f}"
+
+
+def _with_interval(r: dict | None, kind: str) -> str:
+    """A cell's value and, when the row has one, its 95% interval over examples (as fractions)."""
+    value = _value(r, kind)
+    low, high = (None, None) if r is None else (num(r.get("ci_low")), num(r.get("ci_high")))
+    return value if low is None or high is None else f"{value} [{low:.2f}, {high:.2f}]"
+
+
+def _kind(benchmark: str) -> str:
+    return "needle" if benchmark == "needle" or benchmark.startswith("needle_") else "score"
+
+
+def headline_markdown(rows: list[dict]) -> str:
+    """The README's headline table: per method, needles found, continuation fidelity, RULER and
+    compaction time at keep 20 / 10 / 5%; the keep-10% values and the references carry their 95%
+    interval over examples where the row stores one."""
+    def pick(bench: str, task: str) -> dict[tuple[str, float], dict]:
+        return {(r["method"], round(float(r["ratio"]), 6)): r for r in rows
+                if r["benchmark"] == bench and r["task"] == task and r["ratio"] not in ("", None)}
+
+    needle, fidelity, ruler = pick("needle", "needle"), pick("fidelity", "continuation"), pick("ruler", "ruler")
+    columns = ((needle, "needle"), (fidelity, "score"), (ruler, "score"), (fidelity, "time"))
+    keep = "/".join(f"{r * 100:g}" for r in HEADLINE_RATIOS)
+    head = [f"method, keep {keep}%", "needles found", "continuation fidelity", "RULER 2K", "compaction s"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for m in METHOD_NAMES:
+        if m in REFERENCE_METHODS:
+            continue
+        cells = []
+        for table, kind in columns:
+            values = [(_with_interval if ratio == BEST_RATIO and kind != "time" else _value)(
+                table.get((m, ratio)), kind) for ratio in HEADLINE_RATIOS]
+            cells.append(" · ".join(values) if any(v != "-" for v in values) else "-")
+        lines.append("| " + " | ".join([f"`{m}`", *cells]) + " |")
+    for m, label in REFERENCE_METHODS.items():  # one row each, whatever ratio it is stored under
+        cells = [_with_interval(next((r for (name, _), r in table.items() if name == m), None), kind)
+                 for table, kind in columns[:3]]
+        lines.append("| " + " | ".join([label, *cells, "-"]) + " |")
+    return "\n".join(lines)
+
+
+def best_markdown(rows: list[dict], ranked: Sequence[tuple[str, str, str]], ratio: float = BEST_RATIO) -> str:
+    """Per ranked benchmark ``(label, benchmark, task)`` at kept fraction ``ratio``: the best compact
+    method, the runner-up and whether the difference is significant (paired on their shared
+    examples, :func:`~arckv_press.bench.uncertainty.paired_comparison`; ``tie`` unless the interval
+    excludes 0 and the sign test gives p < 0.05). Full cache and no context are not candidates."""
+    lines = []
+    for label, bench, task in ranked:
+        cands = sorted((r for r in rows if r["benchmark"] == bench and r["task"] == task
+                        and r["method"] not in REFERENCE_METHODS and r["ratio"] not in ("", None)
+                        and abs(float(r["ratio"]) - ratio) < 1e-9 and num(r["score"]) is not None),
+                       key=lambda r: (-float(r["score"]), r["method"]))
+        if len(cands) < 2:
+            continue
+        best, second = cands[0], cands[1]
+        kind = _kind(bench)
+        head = (f"- {label}: `{best['method']}` {_value(best, kind)}, runner-up `{second['method']}` "
+                f"{_value(second, kind)}")
+        a, b = examples_of(best), examples_of(second)
+        c = paired_comparison(a, b) if a and b else None
+        if c is None:
+            lines.append(head + ": not tested (no per-example scores for both)")
+        else:
+            lines.append(head + f": {'significant' if c.verdict == 'better' else 'a tie'} (difference "
+                         f"{c.mean_difference:+.3f}, 95% interval [{c.ci_low:+.3f}, {c.ci_high:+.3f}], sign test "
+                         f"p = {c.p_sign:.2g}, {c.n} shared examples)")
+    return "\n".join(lines)
+
+
+def benchmark_markdown(rows: list[dict], benchmark: str, task: str) -> str:
+    """One benchmark's table: a row per method (registry order, then the references), a column per
+    kept fraction present, each cell the leaderboard's value (needles as found/total) with its 95%
+    bootstrap interval over examples when the row stores them; ``-`` where a method has no row;
+    ``No rows yet.`` for a benchmark with none."""
+    kind = _kind(benchmark)
+    cells = {(r["method"], fmt_ratio(r["ratio"])): r for r in rows
+             if r["benchmark"] == benchmark and r["task"] == task and r["ratio"] not in ("", None)}
+    if not cells:
+        return "No rows yet."
+    ratios = sorted({ratio for (m, ratio) in cells if m not in REFERENCE_METHODS}, key=float, reverse=True)
+    head = ["method", *[f"keep {float(r) * 100:g}%" for r in ratios]]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(ratios)]
+    for m in METHOD_NAMES:
+        if m in REFERENCE_METHODS or not any((m, r) in cells for r in ratios):
+            continue
+        lines.append("| " + " | ".join([f"`{m}`", *[_with_interval(cells.get((m, r)), kind) for r in ratios]]) + " |")
+    for m, label in REFERENCE_METHODS.items():
+        ref = next((r for (name, _), r in cells.items() if name == m), None)
+        if ref is not None:
+            lines.append("| " + " | ".join([label, *[_value(ref, kind)] * len(ratios)]) + " |")
+    return "\n".join(lines)
