@@ -11,9 +11,10 @@ Three ways to use it (lm-eval 0.4.13):
    The names resolve through a start-up hook: the installed ``arckv_press_lm_eval.pth`` imports
    the tiny ``_arckv_press_lm_eval_hook`` module (a copy of :mod:`._pth_hook`), which registers
    ``hf-arckv`` lazily when lm-eval imports its registry and adds the package's task folder to
-   every ``TaskManager`` (nothing else is imported at start-up). The package's ``quality``,
-   ``ruler`` and ``longbench`` tasks then override lm-eval's built-ins of the same names. Opt out
-   with ``ARCKV_LM_EVAL_NO_HOOK=1`` (everything) or ``ARCKV_LM_EVAL_NO_TASKS=1`` (tasks only).
+   every ``TaskManager`` (nothing else is imported at start-up; :mod:`.plugin`). The package's
+   tasks (``quality``, ``quality_gen``, ``arckv_ruler``, ``arckv_longbench`` and their ``arckv_*``
+   subtasks) add names to lm-eval's and never replace a built-in: ``--tasks ruler`` stays
+   lm-eval's own RULER. Opt out with ``ARCKV_LM_EVAL_NO_HOOK=1``.
 
 2. The console script ``arckv-lm-eval`` (same arguments as ``lm_eval``; plugs the model and the
    tasks in by importing this package, for when the start-up hook is disabled, then runs
@@ -55,73 +56,17 @@ from __future__ import annotations
 from typing import Any
 
 from . import _pth_hook
+from .plugin import (
+    MODEL_NAME,
+    MODEL_TARGET,
+    on_registry_imported,
+    on_task_manager_imported,
+    register,
+    tasks_dir,
+)
 
-MODEL_NAME = "hf-arckv"
-MODEL_TARGET = "arckv_press.lm_eval.model:HFArcKV"
-
-#: set to 1 to keep lm-eval's TaskManager to its own tasks and ``--include_path`` (no package tasks)
-NO_TASKS_ENV = "ARCKV_LM_EVAL_NO_TASKS"
-
-__all__ = ["MODEL_NAME", "MODEL_TARGET", "NO_TASKS_ENV", "HFArcKV", "register", "on_registry_imported",
+__all__ = ["MODEL_NAME", "MODEL_TARGET", "HFArcKV", "register", "on_registry_imported",
            "on_task_manager_imported", "tasks_dir"]
-
-
-def on_registry_imported(registry_module: Any) -> None:
-    """Register ``hf-arckv`` (lazy ``"module:Class"`` target) in a freshly imported lm-eval registry.
-
-    Also imports ``lm_eval.models`` (a table of lazy placeholders, no model code): lm-eval only
-    registers its own models when ``get_model`` finds the registry *empty*, which it no longer is
-    once ``hf-arckv`` is in it. Idempotent.
-    """
-    registry = registry_module.model_registry
-    if MODEL_NAME not in registry:
-        registry.register(MODEL_NAME, target=MODEL_TARGET)
-    import lm_eval.models  # noqa: F401  (registers "hf", "vllm", ... as lazy placeholders)
-
-
-def tasks_dir() -> str:
-    """The folder of the package's task YAMLs (``arckv_press.tasks``: ``tasks/`` in a checkout)."""
-    from arckv_press.tasks import TASKS_DIR
-
-    return str(TASKS_DIR)
-
-
-def on_task_manager_imported(manager_module: Any) -> None:
-    """Make every ``lm_eval.tasks.TaskManager`` index the package's tasks (idempotent).
-
-    lm-eval indexes its built-in folder first and then ``include_path`` in order, later folders
-    overriding earlier ones. The package's folder is put first in ``include_path``, so ``quality``,
-    ``ruler``, ``longbench`` and their subtasks are always the package's versions (lm-eval logs each
-    override), while a folder the user passes still overrides them. ``ARCKV_LM_EVAL_NO_TASKS=1``
-    turns this off (lm-eval's own ``ruler`` and ``longbench`` come back).
-    """
-    import functools
-    import os
-
-    cls = manager_module.TaskManager
-    if getattr(cls.__init__, "_arckv_tasks", False):
-        return
-    original = cls.__init__
-
-    @functools.wraps(original)
-    def __init__(self, verbosity=None, include_path=None, include_defaults=True, metadata=None):
-        if os.environ.get(NO_TASKS_ENV, "") in ("", "0"):
-            paths = include_path if isinstance(include_path, (list, tuple)) else [include_path]
-            paths = [p for p in paths if p is not None]
-            ours = tasks_dir()
-            if not any(os.path.realpath(p) == ours for p in paths):
-                include_path = [ours, *paths]
-        original(self, verbosity, include_path, include_defaults, metadata)
-
-    __init__._arckv_tasks = True
-    cls.__init__ = __init__
-
-
-def register() -> None:
-    """Register ``hf-arckv`` in lm-eval's model registry now (imports ``lm_eval.api.registry``)."""
-    import lm_eval.api.registry as registry_module
-
-    on_registry_imported(registry_module)
 
 
 def __getattr__(name: str) -> Any:

@@ -6,11 +6,12 @@ only if something registers the name in ``lm_eval.api.registry.model_registry`` 
 installs a one-shot meta-path finder that watches two lm-eval modules. When one of them is first
 imported, the finder lets the normal machinery load it and then hands it to the package:
 
-- ``lm_eval.api.registry`` -> :func:`arckv_press.lm_eval.on_registry_imported`, which registers
+- ``lm_eval.api.registry`` -> :func:`arckv_press.lm_eval.plugin.on_registry_imported`, which registers
   ``hf-arckv`` as a *lazy* ``"module:Class"`` placeholder (nothing heavy is imported until lm-eval
   asks for the model);
-- ``lm_eval.tasks.manager`` -> :func:`arckv_press.lm_eval.on_task_manager_imported`, which makes
-  every ``TaskManager`` also index the package's task folder (``arckv_press.tasks``).
+- ``lm_eval.tasks.manager`` -> :func:`arckv_press.lm_eval.plugin.on_task_manager_imported`, which
+  makes every ``TaskManager`` also index the package's task folder (``arckv_press.tasks``), below
+  lm-eval's own tasks (it adds names, never replaces one).
 
 It is loaded in two ways:
 
@@ -31,7 +32,7 @@ import sys
 
 REGISTRY_MODULE = "lm_eval.api.registry"
 TASK_MANAGER_MODULE = "lm_eval.tasks.manager"
-#: watched module -> (attribute that shows it finished executing, callback in arckv_press.lm_eval)
+#: watched module -> (attribute that shows it finished executing, callback in arckv_press.lm_eval.plugin)
 TARGETS = {
     REGISTRY_MODULE: ("model_registry", "on_registry_imported"),
     TASK_MANAGER_MODULE: ("TaskManager", "on_task_manager_imported"),
@@ -43,9 +44,9 @@ def _notify(name, module) -> None:
     """Hand the freshly executed lm-eval module ``name`` to the package."""
     callback = TARGETS[name][1]
     try:
-        import arckv_press.lm_eval as package
+        import arckv_press.lm_eval.plugin as plugin
 
-        function = getattr(package, callback)
+        function = getattr(plugin, callback)
     except Exception as exc:  # noqa: BLE001 - arckv-press uninstalled/broken: lm-eval must still work
         import warnings
 

@@ -92,7 +92,7 @@ from tqdm import tqdm
 
 from arckv_press.cache import cache_nbytes, cache_snapshot, restore_cache
 from arckv_press.compaction.checks import check_ratio
-from arckv_press.lm_eval import MODEL_NAME
+from arckv_press.lm_eval.plugin import MODEL_NAME
 from arckv_press.generation import greedy_decode
 
 logger = logging.getLogger(__name__)
