@@ -2,15 +2,16 @@
 
 Fast tests: the document span mapping against a brute-force reference, the marker strings, the
 records path, the start-up hook (in a subprocess: a ``.pth`` file in a site dir registers
-``hf-arckv`` lazily, imports nothing heavy and adds the package's tasks to lm-eval's TaskManager).
+``hf-arckv`` lazily, imports nothing heavy and adds the package's tasks to lm-eval's TaskManager
+without replacing any of lm-eval's own).
 The wheel itself is tested in ``tests/test_package.py``.
 
 Model tests (``-m model``; the default SmolLM2 model, float32, CPU), all on tiny inputs:
 
 - one stock ``lm_eval`` CLI run in a subprocess (registration through the ``.pth`` hook) with
   ``--model hf-arckv`` (``arckv-ha``, ratio 0.5) on 2-3 documents of each task family (QuALITY from
-  a shortened copy of the local L-Eval file, RULER ``niah_single_1`` at 256 tokens (128 of them reserved for the answer), LongBench
-  ``multifieldqa_zh`` at a 160-token budget, 4 generated tokens), checking results and per-document records;
+  a shortened copy of the local L-Eval file, RULER ``arckv_niah_single_1`` at 256 tokens (128 of them reserved for the answer), LongBench
+  ``arckv_longbench_multifieldqa_zh`` at a 160-token budget, 4 generated tokens), checking results and per-document records;
 - in-process ``simple_evaluate`` runs of ``hf``, ``hf-arckv`` (``arckv-ha``, ratio 1.0) and
   ``hf-arckv`` (``snapkv``, ratio 0.5) on the same requests: ratio 1.0 reproduces ``hf``'s
   log-likelihoods (float32, 1e-3) and generations, and every document is compacted once.
@@ -34,14 +35,14 @@ REPO = Path(__file__).resolve().parents[1]
 TASKS_DIR = REPO / "tasks"
 SHARED_DATA = REPO.parent / "shared" / "data"
 
-TASKS = ["quality", "niah_single_1", "longbench_multifieldqa_zh"]
-SNAPKV_TASKS = ["quality", "niah_single_1"]  # one log-likelihood and one generation family
+TASKS = ["quality", "arckv_niah_single_1", "arckv_longbench_multifieldqa_zh"]
+SNAPKV_TASKS = ["quality", "arckv_niah_single_1"]  # one log-likelihood and one generation family
 METADATA = {"max_seq_lengths": [256], "num_samples": 2, "seed": 42, "max_length": 160}
 LIMIT = 3
 GEN_KWARGS = "max_gen_toks=4"
 # documents per task with LIMIT=3: quality: 3 questions of 2 articles; niah: 2 samples; longbench: 3
-EXPECTED_DOCS = {"quality": 2, "niah_single_1": 2, "longbench_multifieldqa_zh": 3}
-EXPECTED_REQUESTS = {"quality": 12, "niah_single_1": 2, "longbench_multifieldqa_zh": 3}
+EXPECTED_DOCS = {"quality": 2, "arckv_niah_single_1": 2, "arckv_longbench_multifieldqa_zh": 3}
+EXPECTED_REQUESTS = {"quality": 12, "arckv_niah_single_1": 2, "arckv_longbench_multifieldqa_zh": 3}
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -119,26 +120,81 @@ def test_records_path_and_cli_output_path():
     assert mod._cli_output_path(["--tasks", "x"]) is None
 
 
-def test_task_manager_indexes_the_package_tasks(monkeypatch):
-    """Every TaskManager (the plain ``lm_eval`` CLI's too) sees the package's tasks, which override
-    lm-eval's built-ins of the same names; a folder the user passes still wins over them; the
-    opt-out gives lm-eval's own tasks back."""
-    code = """
-import os, sys
-import arckv_press.lm_eval  # what the start-up hook does when lm-eval imports its TaskManager
+def test_task_manager_adds_the_package_tasks_and_replaces_none(tmp_path):
+    """A default TaskManager (what the plain ``lm_eval`` CLI builds) sees every task of ours under
+    its own name, and lm-eval's built-ins stay its own: ``ruler`` and ``longbench`` are lm-eval's,
+    ``arckv_ruler`` and ``arckv_longbench`` ours, and no name of ours exists among the built-ins.
+    Our folder is a copy of ``tasks/`` with one extra YAML that takes lm-eval's ``niah_single_1``:
+    the built-in wins (the one override lm-eval logs), every other name of ours is ours."""
+    import shutil
+
+    folder = tmp_path / "tasks"
+    shutil.copytree(TASKS_DIR, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (folder / "clash.yaml").write_text("task: niah_single_1\ndataset_path: x\noutput_type: generate_until\n")
+    code = f"""
+import logging
+from pathlib import Path
+import arckv_press.lm_eval.plugin as plugin  # what the start-up hook does when lm-eval imports its TaskManager
+import lm_eval.tasks
 from lm_eval.tasks import TaskManager
-ours = arckv_press.lm_eval.tasks_dir()
+from lm_eval.tasks._index import TaskIndex
+ours = Path({str(folder)!r})
+plugin.tasks_dir = lambda: str(ours)
+builtin = Path(lm_eval.tasks.__file__).parent
+overrides = []
+class Catch(logging.Handler):
+    def emit(self, record):
+        if "overrides existing task" in record.getMessage():
+            overrides.append(record.getMessage())
+logging.getLogger("lm_eval.tasks._index").addHandler(Catch())
 tm = TaskManager()
-for name in ("quality", "ruler", "niah_single_1", "longbench", "longbench_qasper"):
-    assert str(tm._index[name].yaml_path).startswith(ours), name
-tm = TaskManager(include_defaults=False, include_path=ours)  # given once: indexed once
-assert tm.include_path == ours and str(tm._index["quality"].yaml_path).startswith(ours)
-assert "quality" in TaskManager(include_defaults=False)._index
-os.environ["ARCKV_LM_EVAL_NO_TASKS"] = "1"
-assert "quality" not in TaskManager(include_defaults=False)._index
+assert tm.include_path is None  # the caller's value
+assert len(overrides) == 1 and overrides[0].startswith("Task 'niah_single_1' from " + str(builtin)), overrides
+for name in ("ruler", "niah_single_1", "longbench", "longbench_qasper"):
+    assert Path(tm.task_index[name].yaml_path).is_relative_to(builtin), name
+mine = TaskIndex.build([ours])
+assert {{"arckv_ruler", "arckv_niah_single_1", "arckv_longbench", "quality"}} <= set(mine)
+for name, entry in mine.items():
+    if entry.yaml_path is not None and name != "niah_single_1":  # tags have no file
+        assert Path(tm.task_index[name].yaml_path).is_relative_to(ours), name
+print("ok")
+"""
+    assert _run_python(code, timeout=900).split()[-1] == "ok"
+
+
+def test_a_folder_the_caller_passes_wins_over_ours(tmp_path):
+    """Our folder is indexed before every other (built-ins, then the caller's folders, in lm-eval's
+    order), so a task of the same name elsewhere always wins over ours: checked with a folder of
+    ours that holds a copy of lm-eval's ``niah_single_1`` name, against lm-eval's RULER folder."""
+    (tmp_path / "clash.yaml").write_text("task: niah_single_1\ndataset_path: x\noutput_type: generate_until\n")
+    (tmp_path / "mine.yaml").write_text("task: arckv_probe\ndataset_path: x\noutput_type: generate_until\n")
+    code = f"""
+from pathlib import Path
+import arckv_press.lm_eval.plugin as plugin
+import lm_eval.tasks
+from lm_eval.tasks import TaskManager
+plugin.tasks_dir = lambda: {str(tmp_path)!r}
+ruler = str(Path(lm_eval.tasks.__file__).parent / "ruler")
+tm = TaskManager(include_defaults=False, include_path=ruler)
+assert tm.include_path == ruler
+assert str(tm.task_index["niah_single_1"].yaml_path).startswith(ruler)
+assert str(tm.task_index["arckv_probe"].yaml_path).startswith({str(tmp_path)!r})
+tm = TaskManager(include_defaults=False, include_path=[{str(tmp_path)!r}])  # given: indexed once, as given
+assert str(tm.task_index["niah_single_1"].yaml_path).startswith({str(tmp_path)!r})
 print("ok")
 """
     assert _run_python(code, timeout=600).split()[-1] == "ok"
+
+
+def test_index_paths_put_ours_below_everything_else():
+    from arckv_press.lm_eval.plugin import index_paths
+
+    assert index_paths(None, True, "/o", "/b") == (["/o", "/b"], False)
+    assert index_paths("/u", True, "/o", "/b") == (["/o", "/b", "/u"], False)
+    assert index_paths(["/u", "/v"], True, "/o", "/b") == (["/o", "/b", "/u", "/v"], False)
+    assert index_paths(["/u"], False, "/o", "/b") == (["/o", "/u"], False)
+    assert index_paths(None, False, "/o", "/b") == (["/o"], False)
+    assert index_paths(["/u", "/o/"], True, "/o", "/b") == (["/u", "/o/"], True)  # ours given: as given
 
 
 def test_unknown_press_and_bad_ratio_fail_before_loading_a_model():

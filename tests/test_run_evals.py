@@ -221,3 +221,23 @@ def test_rescore_refuses_a_damaged_results_file(re_, tmp_path, text):
     with pytest.raises(ValueError, match=r"results\.json (is not valid JSON|holds no lm-eval results)"):
         re_.rescore(folder)
     assert not (folder / "sample_scores.json").exists()
+
+
+@pytest.mark.parametrize("bench, old_task", [("ruler", "niah_single_1"), ("longbench", "longbench_multifieldqa_zh")])
+def test_rescore_reads_a_run_stored_under_the_former_task_names(re_, tmp_path, bench, old_task):
+    """A committed run stored before the tasks took their ``arckv_`` names (``ruler``,
+    ``niah_single_1``, ``longbench_*``) is rescored from its request cache under today's names: the
+    per-sample scores equal those committed beside it, under the names of its results.json."""
+    from arckv_press.tasks._common import resources
+
+    stored = REPO / "leaderboards" / "runs" / "lm_eval" / bench / "snapkv_0.1"
+    if not (resources.SHARED_DATA_DIR / bench).is_dir():
+        pytest.skip(f"no shared {bench} data")
+    if not (stored / "requests_rank0.db").is_file() or not (stored / "sample_scores.json").is_file():
+        pytest.skip(f"the stored {bench} run is not in this checkout")
+    assert old_task in json.loads((stored / "results.json").read_text())["results"]  # the former names
+    folder = tmp_path / bench / "snapkv_0.1"
+    shutil.copytree(stored, folder)
+    (folder / "sample_scores.json").unlink()
+    re_.rescore(folder)
+    assert json.loads((folder / "sample_scores.json").read_text()) == json.loads((stored / "sample_scores.json").read_text())

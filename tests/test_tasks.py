@@ -5,8 +5,10 @@
 - the RULER generator: deterministic by seed, answers inside the document, RULER's answer prefixes,
   markers exactly once, lengths close to (and within) the target under the tokenizer;
 - QuALITY parsing (gold indices checked by hand) and LongBench middle truncation (hand example);
-- lm-eval 0.4.13 loads every task/group with ``TaskManager(include_path="tasks")``, builds the
-  documents, and a full ``evaluate`` with an oracle LM scores 1.0 (0.0 with an empty LM).
+- lm-eval 0.4.13 loads every task/group with ``TaskManager(include_path="tasks")``, beside its
+  own ``ruler`` and ``longbench`` (no name is shared), builds the documents, and a full ``evaluate``
+  with an oracle LM scores 1.0 (0.0 with an empty LM); the task names and the former names that
+  stored results carry (``arckv_press.tasks.names``).
 
 Tokenizer: the project's default (SmolLM2, via ``arckv_press.models.load_model``); if that cannot be
 loaded here, a whitespace word tokenizer stands in (tests only; the tasks themselves never fall back).
@@ -32,6 +34,7 @@ FIXTURES_LONGBENCH = Path(__file__).resolve().parent / "fixtures" / "longbench"
 
 from arckv_press.tasks._common import doc_markers as markers  # noqa: E402
 from arckv_press.tasks._common import resources  # noqa: E402
+from arckv_press.tasks import names  # noqa: E402
 from arckv_press.tasks.longbench import metrics as lb_metrics  # noqa: E402
 from arckv_press.tasks.longbench import utils as lb_utils  # noqa: E402
 from arckv_press.tasks.quality import utils as quality_utils  # noqa: E402
@@ -423,12 +426,9 @@ def test_quality_shared_file_gold_indices():
 
 @pytest.fixture(scope="module")
 def task_manager():
-    """``TaskManager(include_path=tasks/)`` after lm-eval's own ``ruler`` and ``longbench`` folders.
-
-    lm-eval indexes its built-in folder first and ``include_path`` after it (later paths override
-    names); indexing only the two colliding built-in folders keeps that precedence and the test
-    fast (the full built-in index takes ~15 s).
-    """
+    """``TaskManager(include_path=tasks/)`` beside lm-eval's own ``ruler`` and ``longbench`` folders,
+    the built-ins closest to our tasks (indexing only those two keeps the test fast: the full
+    built-in index takes 15 s or more; a default TaskManager is tested in tests/test_lm_eval.py)."""
     import lm_eval.tasks
     from lm_eval.tasks import TaskManager
 
@@ -486,17 +486,78 @@ class OracleLM:
         return _Oracle()
 
 
+def _our_index():
+    from lm_eval.tasks._index import TaskIndex
+
+    return TaskIndex.build([TASKS_DIR])
+
+
+def test_every_name_is_the_packages_own():
+    """Every task, group and tag of ours is ``arckv_*``, except QuALITY's two tasks, which lm-eval
+    0.4.13 does not define (whether a name also exists among the built-ins: tests/test_lm_eval.py)."""
+    ours = set(_our_index())
+    assert {n for n in ours if not n.startswith(names.PREFIX)} == {"quality", "quality_gen"}
+    assert {names.RULER_GROUP, names.LONGBENCH_GROUP} <= ours
+    assert {names.ruler_task(t) for t in generate.TASKS} | {names.longbench_task(d) for d in lb_metrics.DATASET2METRIC} <= ours
+
+
+def test_lm_evals_own_ruler_and_longbench_stay_beside_ours(task_manager):
+    import lm_eval.tasks
+
+    builtin = Path(lm_eval.tasks.__file__).parent
+    index = task_manager.task_index
+    for name in ("ruler", "niah_single_1", "longbench", "longbench_qasper"):
+        assert Path(index[name].yaml_path).is_relative_to(builtin), name
+    for name in ("arckv_ruler", "arckv_niah_single_1", "arckv_longbench", "arckv_longbench_qasper", "quality"):
+        assert Path(index[name].yaml_path).is_relative_to(TASKS_DIR), name
+
+
+def test_former_task_names_map_to_todays():
+    ours = set(_our_index())
+    assert names.current_task_name("ruler") == "arckv_ruler" and names.current_task_name("longbench") == "arckv_longbench"
+    assert names.current_task_name("niah_single_1") == "arckv_niah_single_1" == names.ruler_task("niah_single_1")
+    assert names.current_task_name("qa_2") == "arckv_qa_2"
+    assert names.current_task_name("longbench_repobench-p") == "arckv_longbench_repobench-p"
+    for current in ours:  # today's names, and names that are not the package's, are left alone
+        assert names.current_task_name(current) == current
+    for other in ("mmlu", "longbench_nope", "ruler_cwe", "niah"):
+        assert names.current_task_name(other) == other
+    with pytest.raises(ValueError, match="unknown RULER task 'niah_single_9'"):
+        names.ruler_task("niah_single_9")
+    with pytest.raises(ValueError, match="unknown LongBench dataset 'nope'"):
+        names.longbench_task("nope")
+
+
+def test_every_stored_result_names_a_task_of_today():
+    """Each task of every lm-eval results file under leaderboards/ (most stored before the rename)
+    is, through current_task_name, a task or group of ours."""
+    stored = sorted((TASKS_DIR.parent / "leaderboards").rglob("results.json"))
+    if not stored:
+        pytest.skip("no stored lm-eval results in this checkout")
+    ours = set(_our_index())
+    unknown = {}
+    for path in stored:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        for task in [*data.get("results", {}), *data.get("group_subtasks", {})]:
+            if names.current_task_name(task) not in ours:
+                unknown.setdefault(task, path)
+    assert not unknown, unknown
+
+
 @needs_shared_quality
 @needs_shared_ruler
 def test_lm_eval_loads_all_tasks(task_manager, use_tokenizer):
-    loaded = task_manager.load(["quality", "quality_gen", "ruler", "longbench"])
+    loaded = task_manager.load(["quality", "quality_gen", "arckv_ruler", "arckv_longbench"])
     tasks, groups = loaded["tasks"], loaded["groups"]
-    assert set(groups) == {"ruler", "longbench"}
-    ruler_names = set(generate.TASKS)
-    longbench_names = {f"longbench_{t}" for t in lb_metrics.DATASET2METRIC}
+    assert set(groups) == {"arckv_ruler", "arckv_longbench"}
+    ruler_names = {f"arckv_{t}" for t in generate.TASKS}
+    longbench_names = {f"arckv_longbench_{t}" for t in lb_metrics.DATASET2METRIC}
     assert set(tasks) == {"quality", "quality_gen"} | ruler_names | longbench_names
-    # our YAMLs (not lm-eval's built-ins of the same names) were used
     assert all(str(TASKS_DIR) in t.config.metadata["config_source"] for t in tasks.values())
+    # the renamed tasks carry version 2 (their names changed), QuALITY's stay at 1
+    assert {name: t.VERSION for name, t in tasks.items()} == {
+        **dict.fromkeys(ruler_names | longbench_names, 2.0), "quality": 1.0, "quality_gen": 1.0}
+    assert {name: float(g.version) for name, g in groups.items()} == {"arckv_ruler": 2.0, "arckv_longbench": 2.0}
     for name, task in tasks.items():
         docs = list(task.test_docs())
         assert docs, name
@@ -505,9 +566,10 @@ def test_lm_eval_loads_all_tasks(task_manager, use_tokenizer):
         if name in ruler_names:
             assert len(docs) == 2 and docs[0]["max_length"] == 1024 and docs[0]["length"] <= 1024
             assert task.doc_to_prefix(docs[0]) == docs[0]["answer_prefix"]
-            assert task.config.generation_kwargs["max_gen_toks"] == generate.TASKS[name].tokens_to_generate
+            assert task.config.generation_kwargs["max_gen_toks"] == generate.TASKS[docs[0]["task"]].tokens_to_generate
+            assert name == names.ruler_task(docs[0]["task"])
         if name in longbench_names:
-            assert docs[0]["answers"] and docs[0]["dataset"] == name.removeprefix("longbench_")
+            assert docs[0]["answers"] and name == names.longbench_task(docs[0]["dataset"])
     assert len(list(tasks["quality"].test_docs())) == 130
 
 
@@ -517,17 +579,17 @@ def test_lm_eval_loads_all_tasks(task_manager, use_tokenizer):
 def test_lm_eval_evaluate_with_oracle(task_manager, use_tokenizer, empty):
     from lm_eval.evaluator import evaluate
 
-    loaded = task_manager.load(["quality", "quality_gen", "ruler", "longbench"])
+    loaded = task_manager.load(["quality", "quality_gen", "arckv_ruler", "arckv_longbench"])
     results = evaluate(OracleLM(empty=empty), loaded, limit=2, bootstrap_iters=0, log_samples=False)["results"]
     expected = 0.0 if empty else 1.0
     assert results["quality"]["acc,none"] == expected
     assert results["quality_gen"]["exact_match,none"] == expected
-    assert results["ruler"]["score,none"] == pytest.approx(expected)
-    assert results["ruler"]["1024,none"] == pytest.approx(expected)
-    assert results["ruler"]["4096,none"] == -1.0
-    assert results["niah_multivalue"]["score,none"] == pytest.approx(expected)
-    assert results["longbench"]["score,none"] == pytest.approx(expected, abs=1e-6)
-    assert results["longbench_lcc"]["score,none"] == pytest.approx(expected)
+    assert results["arckv_ruler"]["score,none"] == pytest.approx(expected)
+    assert results["arckv_ruler"]["1024,none"] == pytest.approx(expected)
+    assert results["arckv_ruler"]["4096,none"] == -1.0
+    assert results["arckv_niah_multivalue"]["score,none"] == pytest.approx(expected)
+    assert results["arckv_longbench"]["score,none"] == pytest.approx(expected, abs=1e-6)
+    assert results["arckv_longbench_lcc"]["score,none"] == pytest.approx(expected)
 
 
 def test_longbench_yaml_copies_match_official_config():

@@ -50,6 +50,8 @@ from pathlib import Path
 from arckv_press.bench import ROOT
 from arckv_press.methods import METHOD_NAMES
 from arckv_press.runinfo import add_option_argument
+from arckv_press.tasks.longbench.metrics import DATASET2METRIC
+from arckv_press.tasks.names import RULER_GROUP, current_task_name, longbench_task
 
 DEFAULT_OUT = ROOT / "leaderboards" / "runs" / "lm_eval"
 TASKS_DIR = Path(importlib.util.find_spec("arckv_press.tasks").submodule_search_locations[0])  # shipped tasks
@@ -143,12 +145,12 @@ def retire_stale(run: Run, out: Path, ids: dict[str, str]) -> bool:
 
 
 def task_setup(run: Run, args) -> tuple[list[str], dict, int | None]:
-    """``(task names, metadata, limit)`` of a run."""
+    """``(lm-eval task names, metadata, limit)`` of a run (the package's names, :mod:`arckv_press.tasks.names`)."""
     if run.benchmark == "ruler":
-        return ["ruler"], {"max_seq_lengths": [args.ruler_length], "num_samples": args.limit, "seed": 42}, None
+        return [RULER_GROUP], {"max_seq_lengths": [args.ruler_length], "num_samples": args.limit, "seed": 42}, None
     if run.benchmark == "quality":
         return ["quality"], {}, args.limit
-    tasks = [f"longbench_{t}" for t in args.longbench_tasks]
+    tasks = [longbench_task(t) for t in args.longbench_tasks]
     return tasks, {"max_length": args.longbench_length}, args.limit
 
 
@@ -261,8 +263,10 @@ def write_sample_scores(path: Path, samples: dict) -> None:
 
 
 def stored_tasks(data: dict) -> list[str]:
-    """The task names a finished run was started with: the top-level groups of its ``results.json``
-    (``ruler``), else every task it scored (``quality``, the ``longbench_*`` tasks)."""
+    """The task names a finished run was started with, as its ``results.json`` stores them: the
+    top-level groups (``arckv_ruler``), else every task it scored (``quality``, the
+    ``arckv_longbench_*`` tasks); a run from before the ``arckv_`` names stores ``ruler`` and
+    ``longbench_*`` (:func:`arckv_press.tasks.names.current_task_name` maps them)."""
     groups = data.get("group_subtasks") or {}
     if groups:
         return [g for g in groups if not any(g in subs for subs in groups.values())]
@@ -281,6 +285,9 @@ def rescore(folder: Path) -> None:
     ``results.json`` stored) and takes every answer from the cache; a request the cache does not
     hold is refused, never answered anew (:func:`cached_answers`). The rescored metrics must equal
     the stored ones, else nothing is written (the prompts or the scoring changed since the run).
+    A run stored under the tasks' former names (``ruler``, ``niah_single_1``, ``longbench_*``) is
+    evaluated under today's (:func:`arckv_press.tasks.names.current_task_name`) and its
+    ``sample_scores.json`` keeps the names of its ``results.json``.
     """
     try:
         data = json.loads((folder / "results.json").read_text(encoding="utf-8"))
@@ -292,17 +299,22 @@ def rescore(folder: Path) -> None:
     if not (folder / "requests_rank0.db").exists():
         raise ValueError(f"{folder} has no request cache (requests_rank0.db) to rescore from")
     try:
-        results = evaluate(cached_answers(), folder, stored_tasks(data), config.get("limit"),
-                           config.get("metadata") or {})
+        results = evaluate(cached_answers(), folder, [current_task_name(t) for t in stored_tasks(data)],
+                           config.get("limit"), config.get("metadata") or {})
     except LookupError as e:
         raise ValueError(f"{folder}: {e}") from None
-    stored, new = stored_metrics(data["results"]), stored_metrics(results["results"])
+    as_stored = {current_task_name(t): t for t in data["results"]}  # today's name -> the stored one
+
+    def stored_names(by_task: dict) -> dict:
+        return {as_stored.get(task, task): value for task, value in by_task.items()}
+
+    stored, new = stored_metrics(data["results"]), stored_metrics(stored_names(results["results"]))
     differ = sorted(k for k in stored if k not in new or not math.isclose(new[k], stored[k], rel_tol=1e-9, abs_tol=1e-12))
     if differ:
         task, metric = differ[0]
         raise ValueError(f"{folder}: rescoring the cached answers gives {task} {metric} = {new.get((task, metric))}, "
                          f"not the stored {stored[(task, metric)]} ({len(differ)} metrics differ); nothing written")
-    write_sample_scores(folder / "sample_scores.json", results.get("samples") or {})
+    write_sample_scores(folder / "sample_scores.json", stored_names(results.get("samples") or {}))
 
 
 def summary_line(data: dict) -> str:
@@ -325,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-baselines", dest="baselines", action="store_false", help="skip full cache and no context")
     p.add_argument("--limit", type=int, default=2, help="RULER samples per task; QuALITY/LongBench questions per task")
     p.add_argument("--ruler-length", type=int, default=2048)
-    p.add_argument("--longbench-tasks", nargs="+", default=["passage_retrieval_zh", "multifieldqa_zh"])
+    p.add_argument("--longbench-tasks", nargs="+", default=["passage_retrieval_zh", "multifieldqa_zh"],
+                   choices=sorted(DATASET2METRIC), metavar="DATASET", help="LongBench v1 datasets")
     p.add_argument("--longbench-length", type=int, default=3500)
     p.add_argument("--max-length", type=int, default=8192, help="model context window given to lm-eval")
     p.add_argument("--dtype", default="float32")
