@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from arckv_press import __version__
 from arckv_press.attention import enable_compact_attention
-from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, pack_heads
+from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, cache_nbytes, pack_heads
 from arckv_press.capture import (QueryCapture, check_context_positions, encode_document, framing_for, prefill,
                                   repeat_prefill, repeat_prefill_stats)
 from arckv_press.compaction.checks import check_nonnegative, check_ratio
@@ -335,6 +335,15 @@ def config_id(config: CompactionConfig) -> str:
 class CompactionReport:
     """What one compaction did: per-stage seconds, sizes and the realised ratio.
 
+    Sizes, in bytes: ``compact_bytes`` is what the compacted layers hold for the document (the
+    entries ``C_k``, ``C_v`` and the float32 ``beta``) and ``full_bytes`` their uncompressed keys
+    and values (prefix and document); ``cache_bytes`` is the whole cache after compaction and
+    ``full_cache_bytes`` the whole cache after the prefill, every layer counted, the
+    sliding-window layers (which keep their window, uncompacted) included. On a model without
+    sliding-window layers the two pairs differ by the prefix rows only; on Gemma 3 ``cache_bytes``
+    also holds the windows of its 15 sliding layers. ``realised_ratio`` counts the compacted
+    layers only.
+
     ``reference_rows``: the most reference-query rows per KV head that merging and the fits of
     any layer used (the budget rows plus that layer's anchor witnesses, see ``fit_witnesses``).
     """
@@ -346,6 +355,8 @@ class CompactionReport:
     full_bytes: int
     realised_ratio: float
     reference_rows: int
+    cache_bytes: int = 0
+    full_cache_bytes: int = 0
 
 
 def _load_weights(weights, shape: tuple[int, int], num_layers: int) -> torch.Tensor | None:
@@ -509,6 +520,7 @@ def compact_prefilled(
     timings["prefill"] = time.perf_counter() - t0 if not already_prefilled else 0.0
 
     full_bytes = sum(cache.layers[i].keys.nbytes + cache.layers[i].values.nbytes for i in layers)
+    full_cache_bytes = cache_nbytes(cache)  # every layer, the sliding windows included
     framing = framing_for(tokenizer, use_chat_template)
     method = config.layer_method()
     if config.ratio >= 1.0:
@@ -533,6 +545,8 @@ def compact_prefilled(
         full_bytes=full_bytes,
         realised_ratio=result.realised_ratio(),
         reference_rows=n_rows,
+        cache_bytes=cache_nbytes(cache),
+        full_cache_bytes=full_cache_bytes,
     )
     result.metadata = CacheMetadata(
         model_id=model_id(model),

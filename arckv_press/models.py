@@ -103,6 +103,7 @@ SMOLLM2_CHAT_TEMPLATE = (
 
 __all__ = [
     "AttentionLayout",
+    "attention_layer_types",
     "DEFAULT_MODEL",
     "DEFAULT_MODEL_ID",
     "MODELS",
@@ -561,6 +562,17 @@ def describe_attention_layout(model: torch.nn.Module) -> AttentionLayout:
         scaling=float(scaling) if scaling is not None else float(head_dim) ** -0.5,
         attn_logit_softcapping=float(softcap) if softcap is not None else None,
     )
+
+
+def attention_layer_types(model: Any) -> tuple[str, ...]:
+    """Per decoder layer ``"full_attention"`` or ``"sliding_attention"`` of a model or config, by the
+    rule of :func:`describe_attention_layout` (``config.layer_types``, else ``sliding_window`` for
+    every layer) but without its architecture checks; layer types it does not know are returned
+    as they are."""
+    config = getattr(model, "config", model)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return _layer_types(config, int(getattr(config, "num_hidden_layers", 0) or 0), [])
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:

@@ -18,6 +18,10 @@ Which tokens are compacted: the framing prefix of ``framing_for(tokenizer)`` (ch
 the user message, or BOS) is kept verbatim when the context ids start with it; everything after
 it (the document) is compacted. The repeat-prefill uses the same framing (see
 :mod:`arckv_press.capture`).
+
+Models with sliding-window layers (Gemma 3): these presses compact the global (full-attention)
+layers only, and the sliding-window layers keep their window; kvpress's own presses are made to
+follow the same convention by :func:`hybrid_press_class` (``registry.make_press`` uses it).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from arckv_press.capture import QueryCapture, framing_for
 from arckv_press.compaction.checks import check_ratio
 from arckv_press.methods import am_method, arckv_method
 
-__all__ = ["ARCKVPress", "AttentionMatchingPress", "kept_to_compression", "resolve_kept_ratio"]
+__all__ = ["ARCKVPress", "AttentionMatchingPress", "hybrid_press_class", "kept_to_compression", "resolve_kept_ratio",
+           "sliding_layer_indices"]
 
 _DEFAULTS = CompactionConfig(method="arckv-ha")  # defaults are read from here, never restated
 _DEFAULT_RATIO = 0.1
@@ -383,3 +388,219 @@ class AttentionMatchingPress(_CompactionPress):
     @property
     def method(self) -> str:
         return am_method(self.variant).name
+
+
+# ---------------------------------------------------------------------------------------------
+# kvpress's presses on models with sliding-window layers (Gemma 3)
+#
+# The convention (kvpress's own for Gemma3ForConditionalGeneration, and ARC-KV's): only the global
+# (full-attention) layers are compressed; a sliding-window layer keeps its window. kvpress 0.5.5
+# applies it to Gemma3ForConditionalGeneration only: on Gemma3ForCausalLM (Gemma 3 270M, 1B) its
+# scorer presses compress the windows too, Expected Attention fails (Gemma 3's rotary embedding
+# needs the layer type, which kvpress does not pass) and KVzip refuses the model. The classes
+# below are kvpress's presses with the convention applied to every model whose config has
+# sliding-window layers; on other models they behave exactly as kvpress's.
+
+
+class _LayerTypeRotary(torch.nn.Module):
+    """A model's rotary embedding for one layer type (Gemma 3's ``rotary_emb(x, position_ids,
+    layer_type)``), called as kvpress calls it: ``rotary_emb(x, position_ids)``."""
+
+    def __init__(self, rotary: torch.nn.Module, layer_type: str):
+        super().__init__()
+        self.rotary = rotary
+        self.layer_type = layer_type
+
+    def forward(self, x, position_ids):
+        return self.rotary(x, position_ids, self.layer_type)
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return getattr(self.rotary, f"{self.layer_type}_inv_freq")
+
+
+def sliding_layer_indices(model) -> frozenset[int]:
+    """Indices of the decoder layers with sliding-window attention (empty for most models)."""
+    from arckv_press.models import attention_layer_types
+
+    return frozenset(i for i, kind in enumerate(attention_layer_types(model)) if kind == "sliding_attention")
+
+
+@contextmanager
+def _per_layer_rotary(model) -> Generator[None, None, None]:
+    """While inside: each attention module's ``rotary_emb`` is the model's rotary embedding for its
+    own layer type, when that embedding takes the layer type (Gemma 3); restored on exit."""
+    import inspect
+
+    from arckv_press.capture import decoder_layers
+    from arckv_press.models import attention_layer_types
+
+    inner = getattr(model.model, "language_model", model.model)
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
+        yield
+        return
+    kinds = attention_layer_types(model)
+    saved = []
+    for layer, kind in zip(decoder_layers(model), kinds):
+        attn = layer.self_attn
+        saved.append((attn, attn._modules.get("rotary_emb", attn.__dict__.get("rotary_emb"))))
+        attn.rotary_emb = _LayerTypeRotary(rotary, kind)
+    try:
+        yield
+    finally:
+        for attn, previous in saved:
+            if previous is None:
+                delattr(attn, "rotary_emb")
+            else:
+                attn.rotary_emb = previous
+
+
+class _GlobalLayersOnly:
+    """Mixin for a kvpress press compressing in its attention forward hooks (``ScorerPress``):
+    the hooks of sliding-window layers do nothing."""
+
+    @contextmanager
+    def __call__(self, model) -> Generator[None, None, None]:
+        object.__setattr__(self, "_arckv_sliding", sliding_layer_indices(model))
+        try:
+            with super().__call__(model), _per_layer_rotary(model):
+                yield
+        finally:
+            object.__setattr__(self, "_arckv_sliding", frozenset())
+
+    def forward_hook(self, module, input, kwargs, output):
+        if int(module.layer_idx) in getattr(self, "_arckv_sliding", ()):
+            return output
+        return super().forward_hook(module, input, kwargs, output)
+
+
+class _GlobalLayersKVzip:
+    """Mixin for kvpress's ``KVzipPress``: on a model with sliding-window layers (which kvpress
+    refuses for Gemma 3) the context reconstruction scores the global layers only, the sliding
+    layers' windows are put back after every reconstruction chunk (the chunk's tokens would
+    otherwise evict the context from them), and the budget of ``compression_ratio`` is spent over
+    the global layers alone. The procedure is kvpress 0.5.5's ``KVzipPress`` otherwise."""
+
+    @contextmanager
+    def __call__(self, model) -> Generator[None, None, None]:
+        sliding = sliding_layer_indices(model)
+        if not sliding:
+            with super().__call__(model):
+                yield
+            return
+        from types import MethodType
+
+        from transformers import AutoTokenizer
+
+        self.post_init_from_model(model)
+        tokenizer = AutoTokenizer.from_pretrained(model.config.name_or_path, local_files_only=True)
+        prefix_ids, suffix_ids = _kvzip_framing(tokenizer)
+        self.prefix_length = len(prefix_ids)
+        self._suffix_ids = torch.tensor([suffix_ids], dtype=torch.long)
+        object.__setattr__(self, "_arckv_sliding", sliding)
+        original_forward = model.model.forward
+
+        def wrapped_forward(model_self, *args, **kwargs):
+            self._context_ids = kwargs["input_ids"]
+            self._cache = kwargs["past_key_values"]
+            return original_forward(*args, **kwargs)
+
+        model.model.forward = MethodType(wrapped_forward, model.model)
+        try:
+            try:
+                yield
+            finally:
+                model.model.forward = original_forward
+            if self.compression_ratio > 0 and self._context_ids is not None:
+                with _per_layer_rotary(model):
+                    self._perform_kvzip_compression(model, tokenizer)
+        finally:
+            self._reset_internal_parameters()
+            object.__setattr__(self, "_arckv_sliding", frozenset())
+
+    def _perform_kvzip_compression(self, model, tokenizer) -> None:
+        from arckv_press.cache import cache_snapshot, restore_cache
+        from arckv_press.capture import decoder_layers
+
+        sliding = getattr(self, "_arckv_sliding", frozenset())
+        if not sliding:
+            return super()._perform_kvzip_compression(model, tokenizer)
+        self.context_length = self._context_ids.shape[1]
+        chunks = self.prepare(model, tokenizer)
+        hooks = [layer.self_attn.register_forward_hook(self.forward_hook, with_kwargs=True)
+                 for i, layer in enumerate(decoder_layers(model)) if i not in sliding]
+        state = cache_snapshot(self._cache)
+        try:
+            self.start_idx = self.prefix_length
+            for prefill_ids, repeat_ids in chunks:
+                self.end_idx = self.start_idx + prefill_ids.shape[1]
+                model.model(input_ids=repeat_ids.to(model.device), past_key_values=self._cache)
+                restore_cache(self._cache, state)  # the sliding windows hold the context's end again
+                self.start_idx = self.end_idx
+        finally:
+            for hook in hooks:
+                hook.remove()
+            restore_cache(self._cache, state)
+        self.compress_post(model)
+
+    def compress_post(self, model) -> None:
+        from arckv_press.capture import decoder_layers
+
+        sliding = getattr(self, "_arckv_sliding", frozenset())
+        if not sliding:
+            return super().compress_post(model)
+        layers = decoder_layers(model)
+        for i in sliding:
+            layers[i].self_attn.masked_key_indices = None
+        if self.compression_ratio <= 0:
+            return
+        kept = [i for i in range(len(layers)) if i not in sliding]
+        if not kept:
+            return
+        scores = self.score_val[kept]  # [global layers, batch, kv heads, context]
+        scores[..., : self.n_sink] = scores.amax() + 1.0  # attention sinks are never evicted
+        n_layer, bsz, heads, ctx_len = scores.shape
+        per_layer = bsz * heads * ctx_len
+        if self.layerwise:
+            n_pruned = torch.full((n_layer,), int(per_layer * self.compression_ratio), dtype=torch.int)
+        else:
+            pruned = torch.topk(-scores.reshape(-1), int(scores.numel() * self.compression_ratio)).indices
+            n_pruned = torch.bincount(pruned // per_layer, minlength=n_layer).int().cpu()
+        for j, layer_idx in enumerate(kept):
+            module = layers[layer_idx].self_attn
+            if module.config._attn_implementation == "eager":
+                raise ValueError("KVzipPress needs an sdpa / flash attention implementation, not eager")
+            count = int(n_pruned[j])
+            indices = torch.topk(-scores[j].reshape(bsz, -1), count, dim=1).indices.flatten().cpu()
+            batch_indices = torch.arange(bsz).repeat_interleave(count)
+            module.masked_key_indices = (batch_indices, indices // ctx_len, indices % ctx_len)
+
+
+def _kvzip_framing(tokenizer) -> tuple[list[int], list[int]]:
+    """KVzip's prefix and suffix ids (kvpress 0.5.5: the chat template's, or none and a newline)."""
+    if tokenizer.chat_template is None:
+        return [], tokenizer.encode("\n", add_special_tokens=False)
+    framing = framing_for(tokenizer, True)
+    return framing.prefix_ids, framing.suffix_ids
+
+
+_HYBRID_CLASSES: dict[type, type] = {}
+
+
+def hybrid_press_class(cls: type) -> type:
+    """kvpress press class ``cls`` under the sliding-window convention (section comment above): a
+    subclass of the same name that compresses only the global layers of a model with
+    sliding-window layers and is ``cls`` itself on every other model. Our own presses (which
+    compact the global layers already) are returned unchanged."""
+    if issubclass(cls, _CompactionPress) or not issubclass(cls, BasePress):
+        return cls
+    if cls not in _HYBRID_CLASSES:
+        from kvpress import KVzipPress
+
+        mixin = _GlobalLayersKVzip if issubclass(cls, KVzipPress) else _GlobalLayersOnly
+        _HYBRID_CLASSES[cls] = type(cls.__name__, (mixin, cls), {
+            "__module__": __name__, "__qualname__": cls.__qualname__,
+            "__doc__": f"kvpress's {cls.__name__}, compressing only the global layers of a model with "
+                       f"sliding-window layers (arckv_press.presses.hybrid_press_class).\n\n{cls.__doc__ or ''}"})
+    return _HYBRID_CLASSES[cls]

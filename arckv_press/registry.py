@@ -1,7 +1,9 @@
 """The press factory: ``make_press(name, ratio, **options)`` builds the press of a method
 (:mod:`arckv_press.methods`, the one list of methods) at kept fraction ``ratio``
 (paper convention rho = t/T, in (0, 1]); kvpress's own presses are used unchanged with
-``compression_ratio = 1 - ratio``; ``none`` gives ``None`` (full cache, no press).
+``compression_ratio = 1 - ratio``, on models with sliding-window layers under the convention of
+:func:`arckv_press.presses.hybrid_press_class` (the global layers only); ``none`` gives ``None``
+(full cache, no press).
 
 Run kvpress presses under ``torch.inference_mode()`` (KVzip's context reconstruction otherwise
 builds autograd graphs over the whole context); :func:`prefill_with_press` does so. kvpress's
@@ -18,7 +20,7 @@ from kvpress import BasePress
 from transformers import DynamicCache
 
 from arckv_press.methods import method
-from arckv_press.presses import kept_to_compression, resolve_kept_ratio
+from arckv_press.presses import hybrid_press_class, kept_to_compression, resolve_kept_ratio
 
 __all__ = ["make_press", "prefill_with_press", "indexer_id", "method_config_id", "result_ids",
            "press_options"]
@@ -88,7 +90,8 @@ def make_press(name: str, ratio: float, **options: Any) -> BasePress | None:
         raise ValueError(f"method {name!r} ({cls.__name__}) does not take option(s) {bad}; valid options: {sorted(accepted)}")
     if spec.ours:
         return cls(ratio=ratio, **own, **options)
-    return cls(compression_ratio=kept_to_compression(ratio), **options)
+    # kvpress's press, compressing only the global layers of a model with sliding-window layers
+    return hybrid_press_class(cls)(compression_ratio=kept_to_compression(ratio), **options)
 
 
 def press_options(name: str, config_options: dict[str, Any] | None, indexer: Any = None) -> dict[str, Any]:
