@@ -56,7 +56,7 @@ def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys
         assert sec[(name, "reference_stats")] <= sec[(name, "repeat_prefill")]
         post = sec[(name, "compact_total")] - sec[(name, "repeat_prefill")]
         line = next(l for l in printed if l.strip().startswith(f"300 tok, rho 0.2, {name}:"))
-        assert_ratio_of_rounded(float(line.split("post/prefill ")[1].split()[0]), post, pre, csv_decimals=4,
+        assert_ratio_of_rounded(float(line.split("post/prefill ")[1].split(";")[0]), post, pre, csv_decimals=4,
                                 den_terms=1, num_terms=2)
         ratio = float(line.split(f"am-omp-fast select+fit / {name} post ")[1].split("x")[0])
         assert_ratio_of_rounded(ratio, sec[("am-omp-fast", "am_total")], post, csv_decimals=4, den_terms=2)

@@ -847,7 +847,7 @@ def test_compaction_time_table_is_the_last_run_with_todays_defaults():
                ("arckv-ha", 0.1, 4000): {"repeat_prefill": 40.0, "merge": 2.0, "compact_total": 50.0},
                ("am-omp-fast", 0.1, 4000): {"am_total": 100.0, "compact_total": 120.0}}
     shown = ratio_lines(results, [4000], [0.1])
-    assert shown == ["  4000 tok, rho 0.1, arckv-ha: post/prefill 0.50, repeat/prefill 2.00; "
+    assert shown == ["  4000 tok, rho 0.1, arckv-ha: post/prefill 0.50; repeat/prefill 2.00; "
                      "am-omp-fast select+fit / arckv-ha post 10.00x; end to end 2.40x"]  # no goals of a past issue
     assert f"- {shown[0].strip()}" in lines
 

@@ -284,7 +284,7 @@ def ratio_lines(results: dict, lengths: list[int], ratios: list[float]) -> list[
                 if arc is None:
                     continue
                 post = post_repeat(arc)
-                parts = [f"{length:>6} tok, rho {ratio:g}, {name}: post/prefill {post / pre:.2f}, "
+                parts = [f"{length:>6} tok, rho {ratio:g}, {name}: post/prefill {post / pre:.2f}; "
                          f"repeat/prefill {arc.get('repeat_prefill', 0.0) / pre:.2f}"]
                 for omp in ("am-omp-fast", "am-omp"):
                     o = results.get((omp, ratio, length))
