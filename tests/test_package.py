@@ -6,8 +6,10 @@ import importlib
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -64,7 +66,7 @@ def _run(args, cwd, env=None, timeout=600):
 @pytest.fixture(scope="module")
 def installed_wheel(tmp_path_factory):
     """A wheel built from a copy of the sources, installed into a fresh virtual environment (its
-    dependencies come from this interpreter's site-packages, never from an index)."""
+    dependencies come from this interpreter's site-packages, never from an index: :func:`_see_our_site`)."""
     root = tmp_path_factory.mktemp("wheel")
     src = root / "src"
     src.mkdir()
@@ -74,12 +76,49 @@ def installed_wheel(tmp_path_factory):
         shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", src, "-w", root / "dist"], root)
     (wheel,) = (root / "dist").glob("*.whl")
-    _run([sys.executable, "-m", "venv", "--system-site-packages", root / "venv"], root)
+    _run([sys.executable, "-m", "venv", root / "venv"], root)
     python = root / "venv" / "bin" / "python"
+    _see_our_site(python, root)
     _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel], root)
     work = root / "elsewhere"  # every command runs outside the checkout
     work.mkdir()
     return wheel, python, work
+
+
+def _our_site_dirs() -> list[str]:
+    """Where this interpreter finds its packages: its purelib and platlib (a virtualenv's own
+    site-packages when the tests run in one) and every site-packages folder it reads."""
+    paths = sysconfig.get_paths()
+    found = [paths["purelib"], paths["platlib"], *site.getsitepackages()]
+    return [p for i, p in enumerate(found) if p not in found[:i] and os.path.isdir(p)]
+
+
+def _see_our_site(python: Path, cwd: Path) -> Path:
+    """Let the virtual environment of ``python`` import this interpreter's packages (torch, lm-eval,
+    ...) behind its own: a ``.pth`` file in its site-packages that lists :func:`_our_site_dirs`.
+    ``--system-site-packages`` would not do: it exposes the *base* interpreter's packages, which
+    lack them when the tests run in a virtualenv. The listed folders only join ``sys.path`` (their
+    own ``.pth`` files, such as an editable install of this checkout, are not run), after the
+    environment's own site-packages, so the wheel installed there is what ``import arckv_press`` finds."""
+    own = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd).strip()
+    pth = Path(own) / "_arckv_test_parent_site.pth"
+    pth.write_text("".join(f"{p}\n" for p in _our_site_dirs()), encoding="utf-8")
+    return pth
+
+
+def test_a_venv_sees_this_interpreters_packages_behind_its_own(tmp_path):
+    """The fixture's venv imports this interpreter's torch (in a virtualenv too, where the base
+    interpreter has none), and reads its own site-packages before the borrowed folders."""
+    import torch
+
+    _run([sys.executable, "-m", "venv", "--without-pip", tmp_path / "venv"], tmp_path)
+    python = tmp_path / "venv" / "bin" / "python"
+    _see_our_site(python, tmp_path)
+    code = "import json, sys, sysconfig, torch; print(json.dumps([torch.__file__, sysconfig.get_paths()['purelib'], sys.path]))"
+    torch_file, own, path = json.loads(_run([python, "-c", code], tmp_path))
+    assert torch_file == torch.__file__
+    assert own.startswith(str(tmp_path)) and own in path
+    assert all(p in path and path.index(p) > path.index(own) for p in _our_site_dirs())
 
 
 @pytest.mark.wheel
