@@ -15,9 +15,9 @@ compacted twice counts once, with its last record, in ``make_leaderboard.py``). 
 checkpoint's id (``arckv``; ``arckv_run.indexer``, and ``indexer`` in each record) and the id of
 the compaction options (ARC-KV and AM; ``config_id``, :func:`arckv_press.api.config_id`); when
 another checkpoint is shipped or a default changes, such a folder moves to
-``archive/<out>_indexer_<old id>/`` or ``archive/<out>_config_<old id>/`` and the run starts afresh. ``scripts/make_leaderboard.py --results
-'<out>/**/results.json' --records '<out>/**/arckv_compaction.jsonl'`` turns the folder into the
-leaderboard.
+``archive/<out>_indexer_<old id>/`` or ``archive/<out>_config_<old id>/`` and the run starts afresh.
+``scripts/make_leaderboard.py`` reads every ``<out>`` that ``leaderboards/sources.toml`` declares
+(``[[runs]]``) into the leaderboard.
 
     python scripts/run_evals.py --benchmarks ruler --limit 2                   # every method, 5 ratios
     python scripts/run_evals.py --benchmarks ruler quality --methods arckv snapkv --ratios 0.1
