@@ -328,11 +328,16 @@ class CompactLayer(CacheLayerMixin):
         )
 
 
-def cache_nbytes(cache: Cache) -> int:
+def cache_nbytes(cache: Cache, layers=None) -> int:
     """Bytes really held by any transformers cache: packed entries of compact layers, keys and
-    values of ordinary layers (kvpress's masked caches therefore count at full size)."""
+    values of ordinary layers (kvpress's masked caches therefore count at full size); ``layers``:
+    only those layer indices (e.g. the compacted, global layers of a model with sliding-window
+    layers), default every layer (the sliding windows included)."""
     total = 0
-    for layer in cache.layers:
+    chosen = None if layers is None else set(layers)
+    for i, layer in enumerate(cache.layers):
+        if chosen is not None and i not in chosen:
+            continue
         if isinstance(layer, CompactLayer):
             total += layer.nbytes()
         elif layer.is_initialized and layer.keys is not None:

@@ -110,8 +110,9 @@ def cmd_compact(args) -> int:
     r = cache.report
     print(
         f"compacted {r.original_length} tokens with {args.method} at ratio {args.ratio} in {seconds:.1f} s: "
-        f"{r.compact_bytes / 2**20:.2f} MiB (full {r.full_bytes / 2**20:.2f} MiB, realised ratio "
-        f"{r.realised_ratio:.3f}) -> {out}"
+        f"{r.compact_bytes / 2**20:.2f} MiB in the compacted layers (full {r.full_bytes / 2**20:.2f} MiB, realised "
+        f"ratio {r.realised_ratio:.3f}), whole cache {r.cache_bytes / 2**20:.2f} MiB (full "
+        f"{r.full_cache_bytes / 2**20:.2f} MiB) -> {out}"
     )
     return 0
 
@@ -143,40 +144,49 @@ def cmd_demo(args) -> int:
     from transformers import DynamicCache, pipeline
 
     from arckv_press.cache import cache_nbytes
+    from arckv_press.framing import pipeline_question, uses_chat_template
     from arckv_press.haystack import load_haystack, make_needle, needle_context
     from arckv_press.methods import METHODS
+    from arckv_press.models import describe_attention_layout, model_id
     from arckv_press.registry import make_press
 
     model, tok = _load(args)
+    layout = describe_attention_layout(model)
+    compacted = layout.full_attention_layers  # the layers every method compresses
     needle = make_needle(args.seed)
     context = RULER_INSTRUCTION + needle_context(tok, load_haystack(args.haystack), args.tokens, args.depth, needle)
     n_ctx = len(tok.encode(context, add_special_tokens=False))
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok)
-    print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded default)'}, context {n_ctx} tokens, "
-          f"needle at depth {args.depth}: {needle.sentence.strip()!r}")
-    print(f"question: {needle.question}\n")
-    print(f"{'method':<20}{'kept':>6}{'cache MiB':>11}{'seconds':>9}  answer")
+    framing = "chat template" if uses_chat_template(tok) else "completion (Question: ... Answer:)"
+    print(f"model: {model_id(model)}, context {n_ctx} tokens, needle at depth {args.depth}: "
+          f"{needle.sentence.strip()!r}")
+    print(f"question: {needle.question}  [{framing}]")
+    if layout.sliding_layers:
+        print(f"compacted layers: the {len(compacted)} global layers {list(compacted)}; the "
+              f"{len(layout.sliding_layers)} sliding-window layers keep their window of {layout.sliding_window} "
+              "(counted in 'cache MiB')")
+    print(f"\n{'method':<20}{'kept':>6}{'compacted MiB':>15}{'cache MiB':>11}{'seconds':>9}  answer")
     for name in args.methods:
         ratio = 1.0 if name == "none" else args.ratio
         try:
             ours = name in METHODS and METHODS[name].ours  # our presses show per-layer progress bars
             press = make_press(name, ratio, **({"progress": True} if ours else {}))
         except ValueError as err:  # e.g. no indexer shipped for this model
-            print(f"{name:<20}{'-':>6}{'-':>11}{'-':>9}  skipped: {err}")
+            print(f"{name:<20}{'-':>6}{'-':>15}{'-':>11}{'-':>9}  skipped: {err}")
             continue
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
                 cache = DynamicCache(config=model.config)
-                out = pipe(context, question=needle.question, answer_prefix=needle.prefix(), press=press,
+                out = pipe(context, **pipeline_question(tok, needle.question, needle.prefix()), press=press,
                            max_new_tokens=args.max_new_tokens, cache=cache)
         except ValueError as err:
-            print(f"{name:<20}{'-':>6}{'-':>11}{'-':>9}  skipped: {err}")
+            print(f"{name:<20}{'-':>6}{'-':>15}{'-':>11}{'-':>9}  skipped: {err}")
             continue
         seconds = time.perf_counter() - t0
-        mib = cache_nbytes(cache) / 2**20
+        mib, layers_mib = cache_nbytes(cache) / 2**20, cache_nbytes(cache, compacted) / 2**20
         ok = "OK " if needle.value in out["answer"] else "-- "
-        print(f"{name:<20}{ratio:>6.2f}{mib:>11.2f}{seconds:>9.1f}  {ok}{out['answer'].strip()!r}")
+        print(f"{name:<20}{ratio:>6.2f}{layers_mib:>15.2f}{mib:>11.2f}{seconds:>9.1f}  {ok}{out['answer'].strip()!r}")
     return 0
 
 
@@ -184,10 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     from arckv_press.api import RATIO_SCHEDULE, CompactionConfig
     from arckv_press.compaction.layer import ANCHOR_SEARCHES
     from arckv_press.methods import COMPACTION_METHODS
+    from arckv_press.models import model_help
 
     defaults = CompactionConfig()
     parser = argparse.ArgumentParser(prog="arckv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help=model_help("the embedded SmolLM2-135M-Instruct"))
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="model dtype (default auto: bfloat16 on CUDA, float32 on CPU, where bf16 is often emulated)")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -268,3 +268,34 @@ def test_compaction_report_gives_the_compacted_layers_and_the_whole_cache():
     assert r.full_cache_bytes == r.full_bytes + sliding
     assert r.cache_bytes == r.compact_bytes + 2 * (2 * H * P * D * f32) + sliding
     assert r.cache_bytes < r.full_cache_bytes and r.compact_bytes < RATIO * r.full_bytes * 1.2
+
+
+def test_demo_table_gives_the_compacted_layers_and_the_whole_cache(tmp_path, capsys):
+    """``arckv demo`` on a tiny Gemma (a base tokenizer, no chat template): per method the bytes of
+    the compacted (global) layers and of the whole cache, sliding windows included; the full
+    cache's row against brute force, and every method leaves the windows alone."""
+    from arckv_press import cli
+
+    folder = tmp_path / "model"
+    model = _gemma()
+    model.config.eos_token_id = 2
+    model.save_pretrained(folder)
+    build_tiny_tokenizer(chat_template=False).save_pretrained(folder)
+    haystack = tmp_path / "hay.txt"
+    haystack.write_text(make_text(3000, seed=2), encoding="utf-8")
+    methods = ["none", "arckv-ha", "snapkv", "expected_attention"]  # KVzip: its own tests (random queries)
+    assert cli.main(["--model", str(folder), "--dtype", "float32", "demo", "--tokens", "300", "--ratio", "0.25",
+                     "--haystack", str(haystack), "--max-new-tokens", "2", "--methods", *methods]) == 0
+    out = capsys.readouterr().out
+    assert "[completion (Question: ... Answer:)]" in out and "global layers [1, 3]" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in methods}
+    assert list(rows) == methods, out
+    n = int(out.split("context ")[1].split()[0]) + 1  # + BOS
+    row_bytes = 2 * 2 * 16 * 4  # keys + values, 2 KV heads, head_dim 16, float32
+    window = 2 * 31 * row_bytes  # two sliding layers, 31 rows each
+    layers_mib, cache_mib = float(rows["none"][2]), float(rows["none"][3])
+    assert layers_mib == pytest.approx(2 * n * row_bytes / 2**20, abs=0.006)
+    assert cache_mib == pytest.approx((2 * n * row_bytes + window) / 2**20, abs=0.006)
+    for name in ("arckv-ha", "snapkv", "expected_attention"):
+        layers, cache = float(rows[name][2]), float(rows[name][3])
+        assert layers < 0.5 * layers_mib and cache == pytest.approx(layers + window / 2**20, abs=0.011), rows[name]
