@@ -110,14 +110,6 @@ def test_the_layer_check_catches_an_upward_import(tmp_path):
 
 # ----------------------------------------------------------------------------- cycles and private names
 
-# The one import cycle known today, being broken (bench/make_leaderboard.py <-> bench/study_tables.py:
-# study_tables imports _replace_between, block_marks, fmt_ratio and RESULT_TABLES from make_leaderboard,
-# which imports update_study_docs from it). THIS EXEMPTION MUST BE REMOVED as soon as that split lands;
-# no other cycle or private import may be added here.
-KNOWN_CYCLES = ({"arckv_press.bench.make_leaderboard", "arckv_press.bench.study_tables"},)
-KNOWN_PRIVATE_IMPORTS = {("arckv_press.bench.study_tables", "arckv_press.bench.make_leaderboard._replace_between")}
-
-
 def _resolve(node: ast.ImportFrom, package: str) -> str:
     if not node.level:
         return node.module
@@ -198,7 +190,7 @@ def _modules() -> dict[str, tuple[Path, str]]:
 
 
 def test_no_import_cycles_between_package_modules():
-    cycles = [c for c in _cycles(_import_graph(_modules())) if c not in KNOWN_CYCLES]
+    cycles = _cycles(_import_graph(_modules()))
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
 
 
@@ -234,7 +226,7 @@ def _private_imports(modules: dict[str, tuple[Path, str]]) -> set[tuple[str, str
 
 
 def test_no_private_name_is_imported_across_modules():
-    bad = sorted(_private_imports(_modules()) - KNOWN_PRIVATE_IMPORTS)
+    bad = sorted(_private_imports(_modules()))
     assert not bad, "\n".join(f"{who} uses {what}" for who, what in bad)
 
 
