@@ -117,6 +117,7 @@ __all__ = [
     "model_folder",
     "model_id",
     "model_names",
+    "named_model_id",
     "registered_model",
 ]
 
@@ -245,6 +246,14 @@ def registered_model(name: Any) -> ModelSpec | None:
     if not isinstance(name, str):
         return None
     return MODELS.get(name.strip().lower())
+
+
+def named_model_id(name_or_path: str | None) -> str:
+    """The model id (:func:`model_id`) results of ``--model name_or_path`` carry, known before the
+    model is loaded: a named model's (or, for ``None``, the default's) Hugging Face id, else the id
+    or path as given."""
+    spec = MODELS[DEFAULT_MODEL] if name_or_path is None else registered_model(name_or_path)
+    return spec.model_id if spec is not None else str(name_or_path)
 
 
 def model_help(default: str = "the default SmolLM2-135M-Instruct") -> str:

@@ -1,7 +1,8 @@
 """Two probes that pull in opposite directions, used to judge compaction methods end to end.
 
 - **Needle retrieval**: a planted ``(city, 7-digit number)`` sentence in an essay haystack, asked
-  with RULER's template and answer prefix; scored by exact retrieval of the number.
+  with RULER's template and answer prefix in the model's framing (:mod:`arckv_press.framing`: a
+  completion ``Question: ... Answer:`` for a base model); scored by exact retrieval of the number.
 - **Continuation damage**: the NLL of a document's own next tokens after its compacted first part,
   as ``(NLL_method - NLL_full) / (NLL_no_context - NLL_full)``: 0 = as good as the full cache,
   1 = as bad as no context. It does not depend on the model's question-answering skill.
@@ -109,9 +110,12 @@ def continuation_damage(model, tokenizer, press, document: str, continuation: li
 
     ``reference`` is :func:`reference_nlls` of the document. Returns ``nll``, ``damage``
     (``(nll - full) / (none - full)``, NaN when the document does not help its continuation),
-    ``seconds`` (prefill with the press) and ``cache_bytes`` (bytes the cache really holds).
+    ``seconds`` (prefill with the press), ``cache_bytes`` (bytes the whole cache really holds, the
+    sliding windows of a hybrid model included) and ``compacted_bytes`` (those of its global,
+    compacted layers).
     """
     from arckv_press.cache import cache_nbytes
+    from arckv_press.models import describe_attention_layout
     from arckv_press.registry import prefill_with_press
 
     ids = _context_ids(tokenizer, document)
@@ -119,10 +123,11 @@ def continuation_damage(model, tokenizer, press, document: str, continuation: li
     cache = prefill_with_press(model, press, ids)
     seconds = time.perf_counter() - t0
     nbytes = cache_nbytes(cache)  # before the continuation is appended
+    compacted = cache_nbytes(cache, describe_attention_layout(model).full_attention_layers)
     nll = continuation_nll(model, cache, torch.tensor([continuation]), ids.shape[1])
     full, none = reference
     damage = (nll - full) / (none - full) if none - full > 1e-6 else math.nan
-    return {"nll": nll, "damage": damage, "seconds": seconds, "cache_bytes": nbytes}
+    return {"nll": nll, "damage": damage, "seconds": seconds, "cache_bytes": nbytes, "compacted_bytes": compacted}
 
 
 def continuation_probe(model, tokenizer, press_factory, documents, references: dict | None = None) -> tuple[ProbeResult, list[dict]]:

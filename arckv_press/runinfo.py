@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["command_line", "machine_info", "print_header", "run_meta", "read_rows", "append_rows", "is_current", "CurrentIds", "current_rows"]
+__all__ = ["command_line", "machine_info", "print_header", "run_meta", "read_rows", "append_rows", "add_columns", "is_current", "CurrentIds", "current_rows"]
 
 
 def command_line(argv: list[str] | None = None) -> str:
@@ -137,6 +137,35 @@ def append_rows(path: str | Path, rows: list[dict], fieldnames: list[str]) -> No
             writer.writeheader()
         writer.writerows(rows)
         f.flush()
+
+
+def add_columns(path: str | Path, fieldnames: list[str], values: dict[str, str] | None = None) -> bool:
+    """Give a CSV written before some of ``fieldnames`` existed those columns (``values[col]`` for
+    its rows, else empty), rewritten atomically with ``fieldnames``, so that :func:`append_rows`
+    resumes it. Only new columns are added: a CSV whose columns are not all in ``fieldnames``, or
+    missing, empty or already current, is left alone. Returns whether it was rewritten."""
+    import os
+    import tempfile
+
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with open(path, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    if header == list(fieldnames) or not set(header) <= set(fieldnames):
+        return False
+    rows, fill = read_rows(path), {c: (values or {}).get(c, "") for c in fieldnames if c not in header}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows({**fill, **r} for r in rows)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return True
 
 
 def is_current(row: dict, ids: dict[str, str]) -> bool:

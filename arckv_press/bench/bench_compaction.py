@@ -68,7 +68,7 @@ DEFAULT_OUT = ROOT / "leaderboards" / "bench_compaction.csv"
 KVPRESS_METHODS = ("snapkv", "kvzip", "expected_attention")  # the kvpress presses timed by default
 ARCKV_STAGES = ("repeat_prefill", "reference_stats", "selection", "fit_rows", "merge", "beta_fit", "value_fit")
 FIELDS = ["section", "method", "ratio", "length", "stage", "seconds", "repeats", "threads", "dtype", "indexer",
-          "config_id", "command", "date", "package_version", "machine"]
+          "config_id", "model", "command", "date", "package_version", "machine"]
 
 
 def median_stages(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -158,7 +158,8 @@ def model_section(args, meta: dict) -> list[dict]:
         results[(method, ratio, length)] = {k: float(f"{v:.4f}") for k, v in stages.items()}
         new = [{"section": "model", "method": method, "ratio": f"{ratio:g}", "length": length, "stage": stage,
                 "seconds": f"{sec:.4f}", "repeats": args.repeats, "threads": torch.get_num_threads(),
-                "dtype": dtype, **(method_ids(method, ratio) if method != "none" else {}), **meta} for stage, sec in stages.items()]
+                "dtype": dtype, **(method_ids(method, ratio) if method != "none" else {}), "model": mid, **meta}
+               for stage, sec in stages.items()]
         append_rows(args.out, new, FIELDS)
         rows.extend(new)
 
@@ -448,6 +449,8 @@ def synthetic_section(args, meta: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from arckv_press.models import model_help
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", choices=[*COMPACTION_METHODS, *KVPRESS_METHODS], default=None,
                    help="model-section methods (default: all; arckv only when an indexer is shipped)")
@@ -461,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="model dtype (default auto, load_model's default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--model", default=None, help="HF id or path (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--haystack", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-model", action="store_true", help="only the synthetic sweep")
@@ -492,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         summary_from_csv(args)
         return 0
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.runinfo import add_columns
+
+    add_columns(args.out, FIELDS, {"model": DEFAULT_MODEL_ID})  # rows before the model column: the default model's
     rows = []
     if not args.skip_model:
         rows += model_section(args, meta)  # written method by method
@@ -517,6 +524,7 @@ def last_model_run(rows: list[dict], ids: CurrentIds | None = None, methods=None
 
     ids = ids or CurrentIds(DEFAULT_MODEL_ID)
     rows = [r for r in rows if r["section"] == "model" and str(r["threads"]) == str(threads)
+            and (r.get("model") or DEFAULT_MODEL_ID) == ids.model_id
             and (lengths is None or int(r["length"]) in lengths)
             and (r["method"] == "none" or ((methods is None or r["method"] in methods) and ids.matches(r)))]
     if not rows:
@@ -534,11 +542,11 @@ def summary_from_csv(args) -> None:
     """Print the model section's summary and ratios from ``args.out``, from the rows of one run: the
     last one on ``--threads`` threads that wrote a row for these methods and lengths with the options
     they use now (with ``--option``: those options). An interrupted run can still be summarised."""
-    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.models import named_model_id
     from arckv_press.runinfo import read_rows
 
     try:
-        run, results = last_model_run(read_rows(args.out), CurrentIds(args.model or DEFAULT_MODEL_ID, args.options),
+        run, results = last_model_run(read_rows(args.out), CurrentIds(named_model_id(args.model), args.options),
                                       args.methods, args.lengths, args.threads)
     except ValueError as e:
         raise SystemExit(f"{args.out}: {e}") from None

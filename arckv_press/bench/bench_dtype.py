@@ -26,10 +26,10 @@ def matmul_seconds(dtype: torch.dtype, m: int, k: int, n: int, repeats: int) -> 
     return median_seconds(lambda: a @ b, repeats)
 
 
-def prefill_seconds(dtype: torch.dtype, tokens: int, repeats: int) -> float:
+def prefill_seconds(dtype: torch.dtype, tokens: int, repeats: int, model_name: str | None = None) -> float:
     from arckv_press.models import load_model
 
-    model, _ = load_model(dtype=dtype)
+    model, _ = load_model(model_name, dtype=dtype)
     ids = torch.randint(10, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
 
     def run():
@@ -40,10 +40,13 @@ def prefill_seconds(dtype: torch.dtype, tokens: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from arckv_press.models import model_help
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", nargs=3, type=int, default=[2048, 576, 1536], metavar=("M", "K", "N"),
                    help="matmul [M, K] @ [K, N] (default 2048 576 1536: 2K tokens into the default model's MLP)")
-    p.add_argument("--tokens", type=int, default=512, help="prefill length on the default model (0: skip)")
+    p.add_argument("--tokens", type=int, default=512, help="prefill length on --model (0: skip)")
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     print_header("bf16 vs float32 (scripts/bench_dtype.py)", argv=None if argv is None else [sys.argv[0], *argv])
     rows = [("matmul " + "x".join(map(str, args.shape)), {d: matmul_seconds(d, *args.shape, args.repeats) for d in DTYPES})]
     if args.tokens:
-        rows.append((f"prefill {args.tokens} tokens", {d: prefill_seconds(d, args.tokens, args.repeats) for d in DTYPES}))
+        rows.append((f"prefill {args.tokens} tokens", {d: prefill_seconds(d, args.tokens, args.repeats, args.model) for d in DTYPES}))
     print(f"{'what':<28}{'float32 ms':>12}{'bf16 ms':>12}{'bf16 / float32':>16}")
     for name, sec in rows:
         f32, b16 = sec[torch.float32], sec[torch.bfloat16]

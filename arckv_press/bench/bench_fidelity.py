@@ -47,6 +47,7 @@ from arckv_press.bench import ROOT
 from arckv_press.runinfo import (
     CurrentIds,
     add_option_argument,
+    add_columns,
     append_rows,
     print_header,
     read_rows,
@@ -61,7 +62,8 @@ DEFAULT_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am
 DEFAULT_RATIOS = (0.2, 0.1, 0.05, 0.02, 0.01)
 QUICK = dict(methods=("arckv-ha", "snapkv", "expected_attention"), ratios=(0.2, 0.1), docs=2)
 FIELDS = ["method", "ratio", "doc", "doc_tokens", "cont_tokens", "nll", "nll_full", "nll_none", "damage",
-          "compaction_s", "cache_bytes", "indexer", "config_id", "model", "command", "date", "package_version", "machine"]
+          "compaction_s", "cache_bytes", "compacted_bytes", "indexer", "config_id", "model", "command", "date",
+          "package_version", "machine"]
 
 
 def split_documents_of(split: str, tokenizer, haystack: str, n_docs: int, doc_tokens: int, cont_tokens: int,
@@ -115,6 +117,7 @@ def summarize(rows: list[dict], methods, ratios, n_docs: int, doc_tokens: int, c
 
 def main(argv: list[str] | None = None) -> int:
     from arckv_press.methods import METHODS
+    from arckv_press.models import model_help
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", choices=sorted(m for m in METHODS if m != "none"), default=None)
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc-tokens", type=int, default=1500)
     p.add_argument("--cont-tokens", type=int, default=256)
     p.add_argument("--quick", action="store_true", help="2 documents, 3 methods, keep 20%% and 10%%")
-    p.add_argument("--model", default=None, help="HF id or path (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--split", choices=("test", "dev"), default="test",
                    help="test: the reported documents (second half of the essays); dev: development documents "
@@ -163,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     options = {m: press_options(m, args.options) for m in methods}
     # rows of another indexer checkpoint or config do not count
     ids = CurrentIds(mid, args.options)
+    add_columns(args.out, FIELDS)  # rows from before compacted_bytes keep it empty
     rows = read_rows(args.out)
     done = {row_key(r["method"], r["ratio"], r["doc"], r["doc_tokens"], r["cont_tokens"], r["model"]) for r in rows
             if r["method"] in methods and ids.matches(r)}
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"method": method, "ratio": f"{ratio:g}", "doc": d, "doc_tokens": args.doc_tokens,
                "cont_tokens": args.cont_tokens, "nll": f"{res['nll']:.5f}", "nll_full": f"{full:.5f}",
                "nll_none": f"{none:.5f}", "damage": "nan" if math.isnan(res["damage"]) else f"{res['damage']:.5f}",
-               "compaction_s": f"{res['seconds']:.3f}", "cache_bytes": res["cache_bytes"], **ids(method, ratio), "model": mid, **meta}
+               "compaction_s": f"{res['seconds']:.3f}", "cache_bytes": res["cache_bytes"],
+               "compacted_bytes": res["compacted_bytes"], **ids(method, ratio), "model": mid, **meta}
         append_rows(args.out, [row], FIELDS)
         rows.append(row)
         tqdm.write(f"{method:<19} keep {ratio:<5g} doc {d}  damage {res['damage']:+.3f}  {res['seconds']:6.1f} s")

@@ -31,11 +31,12 @@ import torch
 
 from arckv_press.bench import ROOT
 from arckv_press.methods import COMPACTION_METHODS
-from arckv_press.runinfo import append_rows, print_header, run_meta
+from arckv_press.runinfo import add_columns, append_rows, print_header, run_meta
 
 DEFAULT_OUT = ROOT / "leaderboards" / "studies" / "bench_questions.csv"
 FIELDS = ["method", "ratio", "tokens", "questions", "max_new_tokens", "batch_size", "cache", "mode", "seconds",
-          "questions_per_s", "same_as_single", "needle_found", "cache_bytes", "compaction_s", "model", "dtype",
+          "questions_per_s", "same_as_single", "needle_found", "cache_bytes", "compacted_bytes", "compaction_s", "model",
+          "dtype",
           "command", "date", "package_version", "machine"]
 
 
@@ -46,6 +47,8 @@ def timed_answers(fn) -> tuple[list[str], float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from arckv_press.models import model_help
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", default="arckv-ha", choices=COMPACTION_METHODS)
     p.add_argument("--ratio", type=float, default=0.1, help="kept fraction in (0, 1] (default 0.1)")
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None, help="HF id or path (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from arckv_press.capture import encode_document
     from arckv_press.generation import answer, answer_many
     from arckv_press.haystack import load_haystack, make_needle, needle_context
-    from arckv_press.models import load_model, model_id
+    from arckv_press.models import describe_attention_layout, load_model, model_id
 
     print_header("many questions about one compacted context (scripts/bench_questions.py)", argv=argv)
     meta = run_meta(argv=None if argv is None else [sys.argv[0], *argv])
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                     "seconds": f"{s:.3f}", "questions_per_s": f"{args.questions / s:.3f}",
                     "same_as_single": f"{same}/{args.questions}",
                     "needle_found": int(needles[0].value in answers[0]), "cache_bytes": cache_nbytes(cache),
+                    "compacted_bytes": cache_nbytes(cache, describe_attention_layout(model).full_attention_layers),
                     "compaction_s": f"{compaction_s:.3f}" if name != "full" else "",
                     "model": model_id(model), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
                     **meta,
@@ -119,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s1 / s2:5.2f}x   batched answers equal to one-by-one: {same}/{args.questions}   "
                   f"planted needle: {'found' if needles[0].value in single[0] else 'missed'}   "
                   f"{cache_nbytes(cache) / 2**20:.2f} MiB", flush=True)
+    add_columns(args.out, FIELDS)  # rows from before compacted_bytes keep it empty
     append_rows(args.out, rows, FIELDS)
     print(f"\ncompact / full answering time: one by one {seconds[args.method, 'single'] / seconds['full', 'single']:.2f}x, "
           f"batched {seconds[args.method, 'batched'] / seconds['full', 'batched']:.2f}x")

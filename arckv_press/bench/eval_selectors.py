@@ -78,6 +78,8 @@ POOLINGS = ("rms", "mean", "max")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from arckv_press.models import model_help
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 contexts, 5 layers, 3 ratios")
     p.add_argument("--indexer", default=None, help="checkpoint dir (default: the shipped one)")
@@ -92,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--holdout", type=float, default=0.25)
     p.add_argument("--no-omp", action="store_true")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--out", default="leaderboards/studies/eval_selectors/eval_selectors.csv")
     p.add_argument("--dtype", default="auto",
                    help="model dtype of the reference pools (default auto, as inference: bfloat16 on CUDA, float32 on "
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from arckv_press.models import load_model, model_id
 
-    model, tok = load_model(dtype=args.dtype)
+    model, tok = load_model(args.model, dtype=args.dtype)
     args.dtype = str(model.dtype).removeprefix("torch.")  # the resolved dtype, as printed and recorded
     mid = model_id(model)
     ck = Path(args.indexer) if args.indexer else default_indexer_path(mid)

@@ -78,7 +78,7 @@ from arckv_press.fidelity import (
     output_fidelity,
     parse_layers,
 )
-from arckv_press.models import describe_attention_layout, load_model, model_id
+from arckv_press.models import describe_attention_layout, load_model, model_help, model_id
 from arckv_press.bench import SHARED_DATA_DIR
 from arckv_press.runinfo import run_meta
 
@@ -126,6 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also report E_mass on the held-out rows in the lambda sweep (about +25%% time)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--out", default="leaderboards/studies/fidelity.csv", help="per-cell CSV (+ <stem>_lambda.csv)")
     args = p.parse_args(argv)
     if args.quick:
@@ -383,7 +384,7 @@ def main(argv=None) -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    model, tokenizer = load_model(dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     layout = describe_attention_layout(model)
     layers = parse_layers(args.layers, layout.num_layers)
     sweep_layers = layer_subset(args.sweep_layers, layers)

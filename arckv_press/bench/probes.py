@@ -31,7 +31,7 @@ import torch
 from arckv_press.runinfo import run_meta
 from arckv_press.compaction.fit import FitConfig
 from arckv_press.haystack import load_haystack
-from arckv_press.models import load_model, model_id
+from arckv_press.models import load_model, model_help, model_id
 from arckv_press.probes import continuation_probe, needle_probe, split_documents
 from arckv_press.registry import make_press, result_ids
 
@@ -104,6 +104,7 @@ def main(argv=None) -> int:
                                                     "arckv-ha:pool=max", "arckv-ha:pool=mean", "arckv-vi",
                                                     "am-omp-fast", "snapkv", "kvzip", "expected_attention"])
     p.add_argument("--ratios", nargs="+", type=float, default=[0.2, 0.1])
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--needle-tokens", type=int, default=2000)
     p.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.3, 0.5, 0.7, 0.9])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
             if reader.fieldnames != FIELDS:
                 raise SystemExit(f"{out} has columns {reader.fieldnames}, expected {FIELDS}; write to another --out")
             done = done_keys(reader)
-    model, tok = load_model(dtype=args.dtype)
+    model, tok = load_model(args.model, dtype=args.dtype)
     mid = model_id(model)
     haystack = load_haystack(None)
     documents = split_documents(tok, haystack[len(haystack) // 2 :], args.docs, args.doc_tokens, args.cont_tokens)

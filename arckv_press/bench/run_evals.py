@@ -22,6 +22,7 @@ another checkpoint is shipped or a default changes, such a folder moves to
     python scripts/run_evals.py --benchmarks ruler --limit 2                   # every method, 5 ratios
     python scripts/run_evals.py --benchmarks ruler quality --methods arckv snapkv --ratios 0.1
     python scripts/run_evals.py --list                                         # the plan and what is done
+    python scripts/run_evals.py --model gemma3-270m --benchmarks ruler         # -> leaderboards/runs/lm_eval_gemma3-270m
     python scripts/run_evals.py --rescore     # per-sample scores of older runs, from their request caches
     python scripts/run_evals.py --benchmarks ruler --methods arckv-ha --ratios 0.1 \
         --option merge_rows=256 --out leaderboards/studies/lm_eval_merge256           # a compaction option
@@ -103,6 +104,30 @@ def folder_ids(folder: Path) -> dict[str, str] | None:
                 stored = json.loads(line)
                 return {key: str(stored.get(key) or "") for key in ID_KEYS}
     return None
+
+
+def default_out(model: str | None) -> Path:
+    """The run folder of a model: :data:`DEFAULT_OUT` for the default model, ``lm_eval_<name>``
+    beside it for another (runs of two models never share a folder)."""
+    from arckv_press.models import DEFAULT_MODEL, registered_model
+
+    spec = registered_model(model) if model is not None else None
+    if model is None or (spec is not None and spec.name == DEFAULT_MODEL):
+        return DEFAULT_OUT
+    name = spec.name if spec is not None else "".join(c if c.isalnum() or c in "-._" else "_" for c in str(model))
+    return DEFAULT_OUT.with_name(f"lm_eval_{name.strip('_.')}")
+
+
+def check_model(run: Run, out: Path, model_id: str) -> None:
+    """Refuse a finished run of another model in the run folder (its results would count as this
+    model's)."""
+    path = run.folder(out) / "results.json"
+    if not path.exists():
+        return
+    stored = json.loads(path.read_text(encoding="utf-8")).get("model_name")
+    if stored and stored != model_id and not (Path(str(stored)).exists() and Path(model_id).exists()
+                                              and Path(str(stored)).resolve() == Path(model_id).resolve()):
+        raise SystemExit(f"{path.parent} holds a run of {stored}, not {model_id}: write this model's runs to another --out")
 
 
 def finished(folder: Path, ids: dict[str, str]) -> bool:
@@ -330,6 +355,8 @@ def summary_line(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from arckv_press.models import model_help
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--benchmarks", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS))
@@ -343,13 +370,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-length", type=int, default=8192, help="model context window given to lm-eval")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--model", default=None,
+                   help=model_help() + "; another model than the default writes to leaderboards/runs/lm_eval_<name> "
+                        "unless --out is given")
+    p.add_argument("--out", type=Path, default=None, help=f"run folder (default {DEFAULT_OUT} for the default model)")
     p.add_argument("--list", action="store_true", help="print the plan and which runs are done, run nothing")
     p.add_argument("--rescore", action="store_true",
                    help="write sample_scores.json for finished runs of the plan that lack it, from each run's own "
                         "request cache (no model is loaded; nothing is answered anew or moved)")
     add_option_argument(p)
     args = p.parse_args(argv)
+    args.out = args.out if args.out is not None else default_out(args.model)
 
     from arckv_press.methods import METHODS
 
@@ -359,13 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in args.ratios if not 0.0 < r < 1.0]
     if bad:
         p.error(f"ratios are kept fractions in (0, 1), got {bad}")
-    from arckv_press.models import DEFAULT_MODEL_ID
     from arckv_press.runinfo import CurrentIds
 
     runs = plan(args.benchmarks, args.methods, args.ratios, args.baselines)
     if args.rescore:
         return rescore_runs(runs, args.out)
-    current, default = CurrentIds(DEFAULT_MODEL_ID, args.options), CurrentIds(DEFAULT_MODEL_ID)
+    from arckv_press.models import named_model_id
+
+    mid = named_model_id(args.model)
+    current, default = CurrentIds(mid, args.options), CurrentIds(mid)
     blank = dict.fromkeys(ID_KEYS, "")
     ids = {r: current(r.method, r.ratio) if r.method in METHODS else blank for r in runs}
     for r in runs if args.options else []:  # an option run never retires (moves away) a default run
@@ -377,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for r in runs:
             check_sizes(r, args)
+            check_model(r, args.out, mid)
         todo = [r for r in runs if not retire_stale(r, args.out, ids[r])]
     print(f"{len(runs)} runs planned, {len(runs) - len(todo)} done, {len(todo)} to run", flush=True)
     if args.list:
@@ -389,14 +423,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from arckv_press.lm_eval.model import default_model_path
-    from arckv_press.models import load_model
+    from arckv_press.models import load_model, registered_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(default_model_path(), dtype=getattr(torch, args.dtype))
+    named = args.model is None or registered_model(args.model) is not None
+    model, tokenizer = load_model(default_model_path(args.model) if named else args.model, dtype=getattr(torch, args.dtype))
     for i, run in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] {run.benchmark} {run.name}", flush=True)
-        data = execute(run, args, model, tokenizer, None, ids[run])
+        data = execute(run, args, model, tokenizer, args.model, ids[run])
         print(f"    {data['arckv_run']['seconds']:.0f}s  {summary_line(data)}", flush=True)
     return 0
 

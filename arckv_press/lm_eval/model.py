@@ -209,26 +209,21 @@ def _cli_output_path(argv: list[str]) -> str | None:
     return None
 
 
-def default_model_path() -> str:
-    """Local folder of the embedded default model (converted once by ``arckv_press.models``)."""
+def default_model_path(name: str | None = None) -> str:
+    """Local folder of the embedded default model, or of the named model ``name`` (a name of
+    ``arckv_press.models.MODELS``, e.g. ``gemma3-270m``), converted once by ``arckv_press.models``."""
     from arckv_press import models
 
-    folder = models.default_cache_dir() / "models" / models.DEFAULT_MODEL_DIRNAME
-    marker = folder / models.MARKER_FILE
-    if (folder / "config.json").is_file() and marker.is_file():
-        try:
-            ok = json.loads(marker.read_text(encoding="utf-8")).get("format_version") == models.CONVERSION_FORMAT_VERSION
-        except (OSError, ValueError):
-            ok = False
-        if ok:
-            return str(folder)
-    model, _ = models.load_model(dtype="float32")  # converts the GGUF file once
-    path = str(model.config.name_or_path)
-    del model
-    return path
+    return str(models.model_folder(name))
 
 
 # --------------------------------------------------------------------------- cache state
+
+
+def _is_model_name(text: str) -> bool:
+    from arckv_press.models import registered_model
+
+    return registered_model(text) is not None
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
@@ -278,7 +273,8 @@ class HFArcKV(HFLM):
     """``HFLM`` whose prompts' documents are compacted once per document (see the module docstring).
 
     Args (all also accepted as ``--model_args key=value``):
-        pretrained: HF id, local folder or loaded model; ``None`` (default) is the embedded default
+        pretrained: a model name (``smollm2-135m``, ``gemma3-270m``: ``arckv_press.models.MODELS``),
+            HF id, local folder or loaded model; ``None`` (default) is the embedded default
             model (SmolLM2-135M-Instruct, the folder converted by ``arckv_press.models``; passing
             that folder as ``--model hf --model_args pretrained=<folder>`` gives the identical
             tokenization).
@@ -339,8 +335,8 @@ class HFArcKV(HFLM):
             from arckv_press.registry import press_options as press_arguments
 
             press_options = press_arguments(press, press_options)
-        if pretrained is None:
-            pretrained = default_model_path()
+        if pretrained is None or (isinstance(pretrained, str) and _is_model_name(pretrained)):
+            pretrained = default_model_path(pretrained)  # the default model, or a named one (gemma3-270m)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         super().__init__(pretrained=pretrained, device=device, **kwargs)

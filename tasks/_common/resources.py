@@ -13,7 +13,8 @@ falls back to the Hugging Face Hub. An installed package never looks outside its
 silent fallback).
 
 Tokenizer (RULER sizing, LongBench truncation): the name in the lm-eval metadata key
-``tokenizer`` or else ``pretrained`` (lm-eval merges ``--model_args`` into the metadata), or the
+``tokenizer`` or else ``pretrained`` (lm-eval merges ``--model_args`` into the metadata; a model
+name of ``arckv_press.models.MODELS`` such as ``gemma3-270m`` loads that model's tokenizer), or the
 project's default model (SmolLM2-135M-Instruct, through ``arckv_press.models.load_model``) when
 neither is given.
 """
@@ -102,6 +103,11 @@ def _load_tokenizer_cached(name: str | None, trust_remote_code: bool) -> Any:
     if arckv_models is not None:
         default_id = getattr(arckv_models, "DEFAULT_MODEL_ID", None)
 
+    named = getattr(arckv_models, "registered_model", None) if arckv_models is not None else None
+    if name is not None and named is not None and named(name) is not None:  # a named model (gemma3-270m)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(arckv_models.model_folder(name)), local_files_only=True)
     if name is None or name == default_id or _is_gguf_source(name):
         if arckv_models is None:
             raise ImportError(
