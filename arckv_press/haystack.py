@@ -64,13 +64,18 @@ def make_needle(seed: int, framing: str = "ruler") -> Needle:
     return Needle(rng.choice(keys), str(rng.randint(1_000_000, 9_999_999)), framing)
 
 
-def default_haystack_path() -> Path | None:
-    """``../shared/data/ruler/pg_essays.txt`` relative to the working directory, if present."""
+def _shared_data_file(*parts: str) -> Path | None:
+    """``../shared/data/<parts>`` relative to the working directory or the checkout, if present."""
     for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        path = base.parent / "shared" / "data" / "ruler" / "pg_essays.txt"
+        path = base.parent.joinpath("shared", "data", *parts)
         if path.exists():
             return path
     return None
+
+
+def default_haystack_path() -> Path | None:
+    """``../shared/data/ruler/pg_essays.txt`` relative to the working directory, if present."""
+    return _shared_data_file("ruler", "pg_essays.txt")
 
 
 def load_haystack(path: str | Path | None) -> str:
@@ -85,11 +90,7 @@ def load_haystack(path: str | Path | None) -> str:
 
 def default_articles_path() -> Path | None:
     """``../shared/data/quality/leval_quality.jsonl`` (relative to the working directory or the checkout), if present."""
-    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        path = base.parent / "shared" / "data" / "quality" / "leval_quality.jsonl"
-        if path.exists():
-            return path
-    return None
+    return _shared_data_file("quality", "leval_quality.jsonl")
 
 
 def load_articles(path: str | Path | None = None) -> list[str]:
