@@ -53,6 +53,7 @@ from arckv_press.bench import ROOT
 from arckv_press.haystack import FRAMINGS
 from arckv_press.runinfo import (
     CurrentIds,
+    add_columns,
     add_option_argument,
     append_rows,
     current_rows,
@@ -88,27 +89,15 @@ def case_key(method: str, ratio, length, depth, seed, framing="ruler") -> tuple:
 
 def migrate_csv(path: Path) -> None:
     """Give a needle CSV written before the ``framing`` column that column (its rows are all RULER-framed),
-    rewriting it atomically with the current :data:`FIELDS`; a CSV that has it is left alone."""
-    import csv
-    import os
-    import tempfile
-
+    rewritten atomically with the current :data:`FIELDS` (:func:`~arckv_press.runinfo.add_columns`); a CSV
+    that has it is left alone, and one that lacks other columns too is refused."""
     rows = read_rows(path)
     if not rows or "framing" in rows[0]:
         return
     missing = [f for f in FIELDS if f not in rows[0] and f != "framing"]
     if missing:
         raise ValueError(f"{path}: cannot add the framing column, the CSV also lacks {missing}")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows({**r, "framing": "ruler"} for r in rows)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    add_columns(path, FIELDS, {"framing": "ruler"})
 
 
 class TimedPress:
