@@ -181,6 +181,14 @@ class CompactionConfig:
             rows sit a whole document further on and do not, so without them positions near the
             end of the document are fitted for queries unlike the questions that read them.
             ``False`` (default): the repeated document's rows only.
+        near_rows: fused pipeline: every repeated copy's query, moved by its rotary embedding from
+            where the copy sits (a document after the original) to a position right after the
+            document, where a question's tokens sit (the instruction's positions, in turn;
+            :meth:`~arckv_press.capture.StatsCapture.add_near_rows`), is a reference row too: all
+            of them in the anchor scores and the witnesses, those of the budget positions in the
+            merge and fit rows. A question reads a position near the document's end from a few
+            tokens away, the copy from a whole document away; heads whose reading depends on the
+            distance see the end of the document only in these rows. ``False`` (default): off.
     """
 
     method: str = "arckv"
@@ -213,6 +221,7 @@ class CompactionConfig:
     fit_scope: str = "merged"
     anchor_search: str | None = None
     instruction_rows: bool = False
+    near_rows: bool = False
 
     def __post_init__(self) -> None:
         lookup_method(self.method, ours=True)
@@ -252,8 +261,12 @@ class CompactionConfig:
         if self.merge_rows is not None and (isinstance(self.merge_rows, bool) or not isinstance(self.merge_rows, int)
                                             or self.merge_rows < 1):
             raise ValueError(f"merge_rows must be a positive int or None, got {self.merge_rows!r}")
-        if not isinstance(self.instruction_rows, bool):
-            raise TypeError(f"instruction_rows must be a bool, got {type(self.instruction_rows).__name__}")
+        for name in ("instruction_rows", "near_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.family == "arckv" and (self.instruction_rows or self.near_rows) and not _fused(self):
+            raise ValueError("instruction_rows and near_rows need the fused pipeline (pipeline='fused', "
+                             "score_queries='all', context_fraction=0, on_policy=False)")
         self.layer_method()  # validates lambda_m now, not after the prefill and repeat-prefill
 
     @property
@@ -279,12 +292,12 @@ _RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")
 _INDEXER_ONLY_FIELDS = ("indexer_rows", "score_rows", "score_shrink")  # options only the learned indexer's method reads  # never change a result (the indexer has its own id)
 _ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation", "min_head_fraction", "fit_witnesses",
                       "pipeline", "merge_rows", "max_head_multiple", "verbatim_fraction", "fit_scope",
-                      "anchor_search", "instruction_rows")
+                      "anchor_search", "instruction_rows", "near_rows")
 
 
 # options added after results were stored: they enter the id only when set to something else, so
 # the ids (and the stored rows) of the configurations that existed before stay valid
-_OMITTED_AT_DEFAULT = {"anchor_search": "scores", "score_rows": 512, "instruction_rows": False}
+_OMITTED_AT_DEFAULT = {"anchor_search": "scores", "score_rows": 512, "instruction_rows": False, "near_rows": False}
 # options only indexer_rows="corrected" reads (score_shrink entered the id with the ratio estimate,
 # so rows of the earlier additive estimate keep an id of their own)
 _CORRECTED_ONLY_FIELDS = ("score_shrink",)
@@ -593,15 +606,18 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
     cap = repeat_prefill_stats(model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, layers,
                                prefix_len, selector=pass_selector, pooling=config.pooling,
                                x_positions=score_pos if selector == "indexer" else None,
-                               chunk_size=config.repeat_chunk, progress=bar, instruction_rows=config.instruction_rows)
+                               chunk_size=config.repeat_chunk, progress=bar, instruction_rows=config.instruction_rows,
+                               near_positions=torch.arange(T) if config.near_rows else None)
     if bar is not None:
         bar.close()
     timings["repeat_prefill"] = time.perf_counter() - t0
     timings["reference_stats"] = cap.stats_seconds  # part of repeat_prefill: the in-pass selection work
     queries = {i: group_queries_by_kv_head(torch.cat(cap.store.q.pop(i), dim=1)[None], H) for i in layers}
 
-    N = T + cap.n_instruction  # captured rows per query head: the repeated document, then the instruction
-    after = torch.arange(T, N)
+    N = T + cap.n_instruction + cap.n_near  # rows per query head: the repeated document, the instruction, near rows
+    after = torch.arange(T, T + cap.n_instruction)  # every instruction row, and the near rows of the budget positions
+    if cap.n_near:
+        after = torch.cat([after, T + cap.n_instruction + base_pos])
     base_rows = grouped_rows(torch.cat([base_pos, after]), N, G)
     score_rows = grouped_rows(score_pos, N, G)
     t0 = time.perf_counter()

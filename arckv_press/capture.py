@@ -175,11 +175,17 @@ class StatsCapture:
 
     def __init__(self, model, layers: list[int], prefix_len: int, doc_len: int, selector: str = "ha",
                  pooling: str = "rms", x_positions: torch.Tensor | None = None, block: int = ReferenceStats.block,
-                 instruction_rows: bool = False):
+                 instruction_rows: bool = False, near_positions: torch.Tensor | None = None):
         self.model, self.layers = model, list(layers)
         self.instruction_rows = bool(instruction_rows)
         self.n_instruction = 0  # instruction rows appended after the document's rows (set by the first forward)
         self._instruction: dict[int, tuple[torch.Tensor, float]] = {}
+        # near rows: the copies' queries at these document positions, moved to just after the document
+        self.near_positions = None if near_positions is None else _check_positions(near_positions, doc_len)
+        self.n_near = 0 if self.near_positions is None else self.near_positions.numel()
+        self._rope: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per layer: (cos, sin) of each forward
+        self._near_target: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer: (cos, sin) after the document
+        self._scaling: dict[int, float] = {}
         self.block = check_positive_int(block, "block")  # query rows per statistics block
         self.prefix_len, self.doc_len = prefix_len, doc_len
         self.selector, self.pooling = selector, pooling
@@ -204,10 +210,12 @@ class StatsCapture:
         self._previous = self.model.config._attn_implementation
         _ACTIVE.append(self)
         self.model.set_attn_implementation(_STATS_IMPL)
-        if self.x_positions is not None:
-            blocks = decoder_layers(self.model)
-            for idx in self.layers:
+        blocks = decoder_layers(self.model)
+        for idx in self.layers:
+            if self.x_positions is not None:
                 self._handles.append(blocks[idx].self_attn.register_forward_pre_hook(self._x_hook(idx), with_kwargs=True))
+            if self.n_near:
+                self._handles.append(blocks[idx].self_attn.register_forward_pre_hook(self._rope_hook(idx), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -240,6 +248,56 @@ class StatsCapture:
             self.store.q[idx].append(q.reshape(Hkv * G, c, D).to(self.store.q[idx][0].dtype))
         self._instruction.clear()
 
+    def _rope_hook(self, layer_idx: int):
+        """Keep the rotary ``(cos, sin)`` of the captured rows of each forward, and of the first
+        forward's instruction tokens (the positions right after the document), for the near rows."""
+        def hook(module, args, kwargs):
+            if self._rows is not None:
+                start, n = self._rows
+                cos, sin = kwargs["position_embeddings"]
+                self._rope.setdefault(layer_idx, []).append((cos[0, -n:], sin[0, -n:]))
+                if start == 0:
+                    self._near_target[layer_idx] = (cos[0, : cos.shape[1] - n], sin[0, : sin.shape[1] - n])
+            return None
+
+        return hook
+
+    def add_near_rows(self, cache) -> None:
+        """Append the near rows to each layer's statistics, after the document's (and instruction's)
+        rows: the repeated copy's query at each of ``near_positions``, moved by its rotary embedding
+        from where the copy sits (a whole document after the original) to a position right after the
+        document, where a question's tokens sit: the first forward's instruction positions, in turn.
+        A question that asks for what a position holds reads it from there, at a short distance; the
+        copy reads it from a document away. Their statistics are over the document only."""
+        if not self.n_near:
+            return
+        blocks = decoder_layers(self.model)
+        lo, hi = self.prefix_len, self.prefix_len + self.doc_len
+        pos = self.near_positions
+        for idx in self.layers:
+            stats, module = self.stats[idx], blocks[idx].self_attn
+            q = torch.cat(self.store.q[idx], dim=1)[:, pos.to(self.store.q[idx][0].device)]  # [Hq, n, D] post-RoPE
+            cos, sin = (torch.cat(part, dim=0)[pos.to(q.device)] for part in zip(*self._rope.pop(idx)))
+            t_cos, t_sin = self._near_target.pop(idx)
+            turn = torch.arange(pos.numel(), device=q.device) % t_cos.shape[0]
+            q0 = _apply_rope(module, q[None].float(), cos[None].float(), -sin[None].float())
+            q0 = q0 / (cos.float() ** 2 + sin.float() ** 2)  # exact inverse for rotary embeddings with a scale
+            q_near = _apply_rope(module, q0, t_cos[turn][None].float(), t_sin[turn][None].float())[0].to(q.dtype)
+            keys, values = cache.layers[idx].keys[0, :, :hi], cache.layers[idx].values[0, :, :hi]
+            V_doc = values[:, lo:hi]
+            Hkv = keys.shape[0]
+            qg = q_near.view(Hkv, q_near.shape[0] // Hkv, pos.numel(), -1)
+            first = self.doc_len + self.n_instruction
+            t0 = time.perf_counter()
+
+            def on_block(a, blk, stats=stats, V_doc=V_doc, first=first):
+                stats.update(first + a, blk, V_doc)
+
+            split_attention(qg, keys, values, (lo, hi), self._scaling[idx], 0, stats.block, on_block=on_block,
+                            keep_logits=stats.needs_logits)
+            self.stats_seconds += time.perf_counter() - t0
+            self.store.q[idx].append(q_near)
+
     def _x_hook(self, layer_idx: int):
         def hook(module, args, kwargs):
             if self._rows is not None:
@@ -270,9 +328,10 @@ class StatsCapture:
         if stats is None:
             if self.instruction_rows and start == 0:  # the first forward: its instruction follows the document
                 self.n_instruction = off
-            stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len + self.n_instruction, self.doc_len,
+            stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len + self.n_instruction + self.n_near, self.doc_len,
                                                      value.shape[-1], self.selector, self.pooling, query.device,
                                                      block=self.block)
+        self._scaling[idx] = scaling
         if self.n_instruction and start == 0:
             self._instruction[idx] = (q[:, :, :off].clone(), scaling)
         V_doc = value[0, :, lo:hi]
@@ -384,6 +443,7 @@ def repeat_prefill_stats(
     progress=None,
     block: int = ReferenceStats.block,
     instruction_rows: bool = False,
+    near_positions: torch.Tensor | None = None,
 ) -> StatsCapture:
     """The repeat-prefill of :func:`repeat_prefill` capturing every document position, with the
     reference statistics of :mod:`arckv_press.compaction.stats` gathered by the forward's own
@@ -398,7 +458,7 @@ def repeat_prefill_stats(
         raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, expected prefix {prefix_len} + "
                          f"document {doc_ids.shape[-1]}")
     cap = StatsCapture(model, layers, prefix_len, doc_ids.shape[-1], selector, pooling, x_positions, block,
-                       instruction_rows)
+                       instruction_rows, near_positions)
     with cap:
         def forward(start: int, n: int, ids: torch.Tensor) -> None:
             cap.expect(start, n)
@@ -407,6 +467,7 @@ def repeat_prefill_stats(
 
         _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward)
     cap.add_instruction_rows(cache)
+    cap.add_near_rows(cache)
     for stats in cap.stats.values():
         stats.result()
     return cap

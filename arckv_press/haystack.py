@@ -21,15 +21,17 @@ _PLACES = ["north gate", "server room", "archive vault", "east warehouse", "boil
 
 #: Needle framings: ``ruler`` (RULER's magic-number needle, its instruction before the haystack and
 #: its answer prefix) and ``pipeline`` (a fact as a user of kvpress's pipeline plants and asks it: an
-#: access code, a plain question and ``answer_prefix="Answer:"``, no instruction, in articles:
-#: :func:`load_articles`).
+#: access code, a plain question after a blank line, as a user writes it below a document, and
+#: ``answer_prefix="Answer:"``, no instruction, in articles: :func:`load_articles`). kvpress's
+#: pipeline joins the question to the context with nothing in between, so the blank line is the
+#: question's own (``docs/studies/needle_depths.md``: without it the full cache itself misses).
 FRAMINGS = ("ruler", "pipeline")
 _TEMPLATES = {
     "ruler": (" The special magic number for {key} is {value}. ",
               "What is the special magic number for {key} mentioned in the provided text?",
               "The special magic number for {key} mentioned in the provided text is"),
     "pipeline": (" The access code for the {key} is {value}.",
-                 "What is the access code for the {key}? Answer with the number only.",
+                 "\n\nWhat is the access code for the {key}? Answer with the number only.",
                  "Answer:"),
 }
 

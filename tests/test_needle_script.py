@@ -206,7 +206,7 @@ def test_needle_framings_keep_rulers_text_and_give_the_pipeline_its_own():
     pipe = make_needle(3, "pipeline")
     assert pipe == make_needle(3, "pipeline") and pipe.value == ruler.value  # same seed, same number
     assert pipe.sentence == f" The access code for the {pipe.key} is {pipe.value}."
-    assert pipe.question == f"What is the access code for the {pipe.key}? Answer with the number only."
+    assert pipe.question == f"\n\nWhat is the access code for the {pipe.key}? Answer with the number only."
     assert pipe.prefix() == "Answer:"
     with pytest.raises(ValueError, match="framing"):
         Needle("x", "1", "chat")

@@ -450,3 +450,68 @@ def test_instruction_rows_off_is_the_former_config_id():
     assert config_id(CompactionConfig(method="am-omp")) == config_id(CompactionConfig(method="am-omp", instruction_rows=True))
     with pytest.raises(TypeError, match="instruction_rows"):
         CompactionConfig(instruction_rows=1)
+
+
+def test_near_rows_are_the_copies_queries_moved_after_the_document(tiny_model, tiny_tokenizer):
+    """``near_positions`` appends, after the document's and the instruction's rows, the repeated
+    copy's query of each given position moved to just after the document: it equals the layer's own
+    query projection of that copy's hidden state with the rotary embedding of position
+    ``prefix + T + (k mod n_instruction)`` (computed independently from ``q_proj`` and the model's
+    rotary module), and its statistics equal float64 softmax attention over the document keys. The
+    other rows are exactly those of the pass without near rows."""
+    from arckv_press.capture import REPEAT_PROMPT, encode_document, framing_for, prefill, repeat_prefill_stats
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    ids, P = encode_document(tok, "a short document about the north gate and its code " * 4)
+    T = ids.shape[1] - P
+    suffix = framing_for(tok).suffix_ids
+    n_instr = len(tok.encode(REPEAT_PROMPT, add_special_tokens=False) + suffix)
+    near = torch.tensor([0, 3, 7, T - 2, T - 1])
+    every = torch.arange(T)
+    with torch.no_grad():
+        cache = prefill(model, ids)
+        args = (model, tok, cache, ids[:, P:], suffix, [0, 1], P, "ha", "rms", every, 16)
+        plain = repeat_prefill_stats(*args, instruction_rows=True)
+        cap = repeat_prefill_stats(*args, instruction_rows=True, near_positions=near)
+        assert (cap.n_instruction, cap.n_near) == (n_instr, near.numel())
+        for i in (0, 1):
+            attn = model.model.layers[i].self_attn
+            st, st0 = cap.stats[i], plain.stats[i]
+            N0 = T + n_instr
+            assert (st.N, st0.N) == (N0 + near.numel(), N0)
+            q = torch.cat(cap.store.q[i], 1)
+            assert torch.equal(q[:, :N0], torch.cat(plain.store.q[i], 1))
+            for name in ("row_max", "row_lse", "row_out"):
+                assert torch.equal(getattr(st, name)[:, :, :N0], getattr(st0, name))
+            # independent reference: q_proj of the copy's hidden state, RoPE at the target position
+            x = torch.cat(cap.store.x[i], 0)[near]
+            q0 = attn.q_proj(x).view(near.numel(), -1, attn.head_dim).transpose(0, 1)[None]
+            target = P + T + torch.arange(near.numel()) % n_instr
+            cos, sin = model.model.rotary_emb(x[None], target[None])
+            ref = (q0 * cos[:, None] + torch.cat([-q0[..., q0.shape[-1] // 2:], q0[..., : q0.shape[-1] // 2]], -1)
+                   * sin[:, None])[0]
+            torch.testing.assert_close(q[:, N0:], ref, atol=1e-5, rtol=1e-5)
+            Q = group_queries_by_kv_head(q[None], model.config.num_key_value_heads).double()
+            K = cache.layers[i].keys[0, :, P:P + T].double()
+            V = cache.layers[i].values[0, :, P:P + T].double()
+            L = float(attn.scaling) * Q @ K.transpose(1, 2)
+            rows = grouped_rows(torch.arange(N0, st.N), st.N, st.G)
+            torch.testing.assert_close(st.rows("row_lse")[:, rows].double(), torch.logsumexp(L, -1)[:, rows],
+                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(st.rows("row_out")[:, rows].double(), (torch.softmax(L, -1) @ V)[:, rows],
+                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(st.scores.double(), torch.softmax(L, -1).square().mean(1).sqrt(),
+                                       atol=1e-6, rtol=1e-4)
+
+
+def test_near_rows_option_checks_and_id():
+    """``near_rows`` is a bool, needs the fused pipeline for ARC-KV, and off keeps the stored ids."""
+    from arckv_press.api import CompactionConfig, config_id
+
+    assert config_id(CompactionConfig()) == config_id(CompactionConfig(near_rows=False))
+    assert config_id(CompactionConfig()) != config_id(CompactionConfig(near_rows=True))
+    with pytest.raises(TypeError, match="near_rows"):
+        CompactionConfig(near_rows=1)
+    with pytest.raises(ValueError, match="fused pipeline"):
+        CompactionConfig(method="arckv-ha", near_rows=True, pipeline="separate")
+    CompactionConfig(method="am-omp", near_rows=True)  # Attention Matching ignores ARC-KV's options
