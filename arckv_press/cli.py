@@ -22,10 +22,6 @@ import torch
 __all__ = ["main"]
 
 DEMO_METHODS = ("none", "arckv", "arckv-ha", "arckv-vi", "am-omp-fast", "am-ha", "snapkv", "kvzip", "expected_attention")
-RULER_INSTRUCTION = (
-    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-    "I will quiz you about the numbers afterwards.\n"
-)
 
 
 def _load(args):
@@ -145,7 +141,7 @@ def cmd_demo(args) -> int:
 
     from arckv_press.cache import cache_nbytes
     from arckv_press.framing import pipeline_question, uses_chat_template
-    from arckv_press.haystack import load_haystack, make_needle, needle_context
+    from arckv_press.haystack import RULER_INSTRUCTION, load_haystack, make_needle, needle_context
     from arckv_press.methods import METHODS
     from arckv_press.models import describe_attention_layout, model_id
     from arckv_press.registry import make_press

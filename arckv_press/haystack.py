@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Needle", "FRAMINGS", "make_needle", "load_articles", "article_for_seed", "needle_context", "load_haystack", "default_haystack_path"]
+__all__ = ["Needle", "FRAMINGS", "RULER_INSTRUCTION", "make_needle", "load_articles", "article_for_seed", "needle_context", "load_haystack", "default_haystack_path"]
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -26,6 +26,12 @@ _PLACES = ["north gate", "server room", "archive vault", "east warehouse", "boil
 #: pipeline joins the question to the context with nothing in between, so the blank line is the
 #: question's own (``docs/studies/needle_depths.md``: without it the full cache itself misses).
 FRAMINGS = ("ruler", "pipeline")
+#: RULER's instruction, put before the haystack in the ``ruler`` framing (the demo, the needle grid
+#: and the needle probe).
+RULER_INSTRUCTION = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n"
+)
 _TEMPLATES = {
     "ruler": (" The special magic number for {key} is {value}. ",
               "What is the special magic number for {key} mentioned in the provided text?",

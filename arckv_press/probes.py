@@ -21,17 +21,13 @@ import torch
 
 from arckv_press.capture import framing_for
 from arckv_press.generation import answer
-from arckv_press.haystack import make_needle, needle_context
+from arckv_press.haystack import RULER_INSTRUCTION, make_needle, needle_context
 
 __all__ = [
-    "NEEDLE_INSTRUCTION", "needle_probe", "continuation_nll", "continuation_probe", "continuation_damage",
+    "needle_probe", "continuation_nll", "continuation_probe", "continuation_damage",
     "reference_nlls", "split_documents", "ProbeResult",
 ]
 
-NEEDLE_INSTRUCTION = (
-    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-    "I will quiz you about the numbers afterwards.\n"
-)
 
 
 @dataclass
@@ -54,7 +50,7 @@ def needle_probe(model, tokenizer, press_factory, haystack: str, n_tokens: int, 
     for depth in depths:
         for seed in seeds:
             needle = make_needle(seed)
-            ids = _context_ids(tokenizer, NEEDLE_INSTRUCTION + needle_context(tokenizer, haystack, n_tokens, depth, needle))
+            ids = _context_ids(tokenizer, RULER_INSTRUCTION + needle_context(tokenizer, haystack, n_tokens, depth, needle))
             t0 = time.perf_counter()
             cache = prefill_with_press(model, press_factory(), ids)
             seconds += time.perf_counter() - t0

@@ -189,8 +189,7 @@ def run(args, meta: dict) -> None:
     from tqdm.auto import tqdm
     from transformers import pipeline
 
-    from arckv_press.cli import RULER_INSTRUCTION
-    from arckv_press.haystack import article_for_seed, load_articles, load_haystack, make_needle, needle_context
+    from arckv_press.haystack import RULER_INSTRUCTION, article_for_seed, load_articles, load_haystack, make_needle, needle_context
     from arckv_press.methods import METHODS
     from arckv_press.models import load_model, model_id
 

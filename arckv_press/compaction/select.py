@@ -468,11 +468,6 @@ def chunked_topk_anchors(
     return _pack_left(torch.cat(idx_parts, dim=1), torch.cat(valid_parts, dim=1))
 
 
-def anchor_counts(valid: torch.Tensor) -> torch.Tensor:
-    """Realised number of anchors per head, ``[H]`` long."""
-    return valid.sum(-1)
-
-
 __all__: Sequence[str] = (
     "POOLINGS",
     "RowPool",
@@ -488,5 +483,4 @@ __all__: Sequence[str] = (
     "global_budgets",
     "topk_anchors",
     "chunked_topk_anchors",
-    "anchor_counts",
 )
