@@ -179,13 +179,13 @@ class StatsCapture:
         self.model, self.layers = model, list(layers)
         self.instruction_rows = bool(instruction_rows)
         self.n_instruction = 0  # instruction rows appended after the document's rows (set by the first forward)
-        self._instruction: dict[int, tuple[torch.Tensor, float]] = {}
+        self._instruction: dict[int, torch.Tensor] = {}  # per layer: the first forward's instruction queries
         # near rows: the copies' queries at these document positions, moved to just after the document
         self.near_positions = None if near_positions is None else _check_positions(near_positions, doc_len)
         self.n_near = 0 if self.near_positions is None else self.near_positions.numel()
         self._rope: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per layer: (cos, sin) of each forward
         self._near_target: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer: (cos, sin) after the document
-        self._scaling: dict[int, float] = {}
+        self._scaling: dict[int, float] = {}  # per layer: the softmax scale its attention was called with
         self.block = check_positive_int(block, "block")  # query rows per statistics block
         self.prefix_len, self.doc_len = prefix_len, doc_len
         self.selector, self.pooling = selector, pooling
@@ -225,27 +225,32 @@ class StatsCapture:
         _ACTIVE.remove(self)
         self.model.set_attn_implementation(self._previous)
 
+    def _append_rows(self, cache, idx: int, q: torch.Tensor, first: int) -> None:
+        """Add the rows ``q [H_kv, G, n, D]`` (post-RoPE) to layer ``idx``'s statistics as rows
+        ``first .. first + n - 1`` and to ``store.q``. Their statistics are over the document only (as
+        every row's), so they need only the document's keys: ``cache`` holds the prefix and the
+        document (restored after the pass)."""
+        stats = self.stats[idx]
+        lo, hi = self.prefix_len, self.prefix_len + self.doc_len
+        keys, values = cache.layers[idx].keys[0, :, :hi], cache.layers[idx].values[0, :, :hi]
+        V_doc = values[:, lo:hi]
+        t0 = time.perf_counter()
+
+        def on_block(a, blk):
+            stats.update(first + a, blk, V_doc)
+
+        split_attention(q, keys, values, (lo, hi), self._scaling[idx], 0, stats.block, on_block=on_block,
+                        keep_logits=stats.needs_logits)
+        self.stats_seconds += time.perf_counter() - t0
+        Hkv, G, n, D = q.shape
+        self.store.q[idx].append(q.reshape(Hkv * G, n, D).to(self.store.q[idx][0].dtype))
+
     def add_instruction_rows(self, cache) -> None:
         """Append the first forward's instruction rows (the repeat prompt and the answer-turn suffix,
         which sit right after the document as every question does) to each layer's statistics, as
-        rows ``doc_len .. doc_len + n_instruction - 1``, and their queries to ``store.q``. Their
-        statistics are over the document only (as every row's), so they need only the document's
-        keys: ``cache`` holds the prefix and the document (restored after the pass)."""
-        lo, hi = self.prefix_len, self.prefix_len + self.doc_len
-        for idx, (q, scaling) in self._instruction.items():
-            stats = self.stats[idx]
-            keys, values = cache.layers[idx].keys[0, :, :hi], cache.layers[idx].values[0, :, :hi]
-            V_doc = values[:, lo:hi]
-            t0 = time.perf_counter()
-
-            def on_block(a, blk, stats=stats, V_doc=V_doc):
-                stats.update(self.doc_len + a, blk, V_doc)
-
-            split_attention(q, keys, values, (lo, hi), scaling, 0, stats.block, on_block=on_block,
-                            keep_logits=stats.needs_logits)
-            self.stats_seconds += time.perf_counter() - t0
-            Hkv, G, c, D = q.shape
-            self.store.q[idx].append(q.reshape(Hkv * G, c, D).to(self.store.q[idx][0].dtype))
+        rows ``doc_len .. doc_len + n_instruction - 1``, and their queries to ``store.q``."""
+        for idx, q in self._instruction.items():
+            self._append_rows(cache, idx, q, self.doc_len)
         self._instruction.clear()
 
     def _rope_hook(self, layer_idx: int):
@@ -272,10 +277,9 @@ class StatsCapture:
         if not self.n_near:
             return
         blocks = decoder_layers(self.model)
-        lo, hi = self.prefix_len, self.prefix_len + self.doc_len
         pos = self.near_positions
         for idx in self.layers:
-            stats, module = self.stats[idx], blocks[idx].self_attn
+            module = blocks[idx].self_attn
             q = torch.cat(self.store.q[idx], dim=1)[:, pos.to(self.store.q[idx][0].device)]  # [Hq, n, D] post-RoPE
             cos, sin = (torch.cat(part, dim=0)[pos.to(q.device)] for part in zip(*self._rope.pop(idx)))
             t_cos, t_sin = self._near_target.pop(idx)
@@ -283,20 +287,9 @@ class StatsCapture:
             q0 = _apply_rope(module, q[None].float(), cos[None].float(), -sin[None].float())
             q0 = q0 / (cos.float() ** 2 + sin.float() ** 2)  # exact inverse for rotary embeddings with a scale
             q_near = _apply_rope(module, q0, t_cos[turn][None].float(), t_sin[turn][None].float())[0].to(q.dtype)
-            keys, values = cache.layers[idx].keys[0, :, :hi], cache.layers[idx].values[0, :, :hi]
-            V_doc = values[:, lo:hi]
-            Hkv = keys.shape[0]
-            qg = q_near.view(Hkv, q_near.shape[0] // Hkv, pos.numel(), -1)
-            first = self.doc_len + self.n_instruction
-            t0 = time.perf_counter()
-
-            def on_block(a, blk, stats=stats, V_doc=V_doc, first=first):
-                stats.update(first + a, blk, V_doc)
-
-            split_attention(qg, keys, values, (lo, hi), self._scaling[idx], 0, stats.block, on_block=on_block,
-                            keep_logits=stats.needs_logits)
-            self.stats_seconds += time.perf_counter() - t0
-            self.store.q[idx].append(q_near)
+            Hkv = cache.layers[idx].keys.shape[1]
+            self._append_rows(cache, idx, q_near.view(Hkv, q_near.shape[0] // Hkv, pos.numel(), -1),
+                              self.doc_len + self.n_instruction)
 
     def _x_hook(self, layer_idx: int):
         def hook(module, args, kwargs):
@@ -333,7 +326,7 @@ class StatsCapture:
                                                      block=self.block)
         self._scaling[idx] = scaling
         if self.n_instruction and start == 0:
-            self._instruction[idx] = (q[:, :, :off].clone(), scaling)
+            self._instruction[idx] = q[:, :, :off].clone()
         V_doc = value[0, :, lo:hi]
         new = causal_part(q, key[0, :, hi:], value[0, :, hi:], scaling)     # None off the CPU: blockwise below
         cut = (lambda sl: None) if new is None else (lambda sl: (new[0][:, :, sl], new[1][:, :, sl]))

@@ -24,7 +24,7 @@ _PLACES = ["north gate", "server room", "archive vault", "east warehouse", "boil
 #: access code, a plain question after a blank line, as a user writes it below a document, and
 #: ``answer_prefix="Answer:"``, no instruction, in articles: :func:`load_articles`). kvpress's
 #: pipeline joins the question to the context with nothing in between, so the blank line is the
-#: question's own (``docs/studies/needle_depths.md``: without it the full cache itself misses).
+#: question's own (``docs/studies/needle_end.md``: without it the full cache itself misses).
 FRAMINGS = ("ruler", "pipeline")
 #: RULER's instruction, put before the haystack in the ``ruler`` framing (the demo, the needle grid
 #: and the needle probe).
