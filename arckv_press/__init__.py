@@ -33,7 +33,7 @@ _EXPORTS = {
     "ARCKVPress": "arckv_press.presses",
     "AttentionMatchingPress": "arckv_press.presses",
     "CompactCache": "arckv_press.cache",
-    "CompactionConfig": "arckv_press.api",
+    "CompactionConfig": "arckv_press.config",
     "compact": "arckv_press.api",
     "compact_prefilled": "arckv_press.api",
     "load_model": "arckv_press.models",
@@ -43,7 +43,8 @@ __all__ = ["ARCKVPress", "AttentionMatchingPress", "CompactCache", "CompactionCo
            "compact_prefilled", "load_model"]
 
 if TYPE_CHECKING:  # static analysers see the real objects
-    from arckv_press.api import CompactionConfig, compact, compact_prefilled
+    from arckv_press.config import CompactionConfig
+    from arckv_press.api import compact, compact_prefilled
     from arckv_press.cache import CompactCache
     from arckv_press.models import load_model
     from arckv_press.presses import ARCKVPress, AttentionMatchingPress

@@ -14,12 +14,9 @@ and the verbatim prefix. The same framing is used for the prefill and the repeat
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,14 +27,7 @@ from arckv_press.attention import enable_compact_attention
 from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, cache_nbytes, pack_heads
 from arckv_press.capture import (QueryCapture, check_context_positions, encode_document, framing_for, prefill,
                                   repeat_prefill, repeat_prefill_stats)
-from arckv_press.compaction.checks import check_nonnegative, check_ratio
-from arckv_press.compaction.fit import FitConfig
-from arckv_press.compaction.layer import (
-    LayerMethod,
-    anchor_scores,
-    compact_layer,
-    compact_layer_from_stats,
-)
+from arckv_press.compaction.layer import compact_layer, compact_layer_from_stats
 from arckv_press.compaction.reference import (
     group_activations,
     group_queries_by_kv_head,
@@ -45,304 +35,11 @@ from arckv_press.compaction.reference import (
     mix_sources,
     subsample_rows,
 )
-from arckv_press.compaction.select import POOLINGS, corrected_scores, global_budgets, per_head_budgets
+from arckv_press.compaction.select import corrected_scores, global_budgets, per_head_budgets
+from arckv_press.config import SCORE_SHRINK, CompactionConfig, config_id
 from arckv_press.methods import method as lookup_method
 
-__all__ = ["CompactionConfig", "config_id", "compact", "compact_prefilled", "CompactionReport",
-           "RATIO_SCHEDULE", "RatioDefaults", "capture_plan", "ratio_defaults"]
-
-PIPELINES = ("fused", "separate")
-INDEXER_ROWS = ("all", "budget", "corrected")  # CompactionConfig.indexer_rows
-
-@dataclass(frozen=True)
-class RatioDefaults:
-    """ARC-KV's defaults from kept fraction ``lowest`` down to the next step of :data:`RATIO_SCHEDULE`:
-    the key-merging coefficient ``lambda_m`` of Eq. (key_merge) and how anchors are found
-    (``anchor_search``, :class:`~arckv_press.compaction.layer.LayerMethod`)."""
-
-    lowest: float
-    lambda_m: float
-    anchor_search: str
-
-
-# Steps, largest kept fraction first. Chosen on the development split of the fidelity benchmark (never
-# on the documents the leaderboards report; docs/methodology.md): from keep 5% up, the top-t of the
-# selector's scores (they keep planted needles); below it, where a head keeps a handful of anchors and
-# no selector keeps needles, Attention Matching's OMP search on the budget rows, which picks anchors
-# that together fit every row's attention mass, then ARC-KV's merging and fits.
-RATIO_SCHEDULE: tuple[RatioDefaults, ...] = (RatioDefaults(0.05, 0.25, "scores"), RatioDefaults(0.0, 0.25, "omp"))
-
-
-def ratio_defaults(ratio: float) -> RatioDefaults:
-    """The step of :data:`RATIO_SCHEDULE` for kept fraction ``ratio``: the first whose ``lowest``
-    ``ratio`` reaches."""
-    ratio = check_ratio(ratio)
-    return next(step for step in RATIO_SCHEDULE if ratio >= step.lowest)
-
-
-@dataclass
-class CompactionConfig:
-    """Options of one compaction (defaults follow the paper where it gives one).
-
-    Attributes:
-        method: ``arckv`` (learned indexer), ``arckv-ha``, ``arckv-vi``, ``am-omp``,
-            ``am-omp-fast`` or ``am-ha``.
-        ratio: kept fraction rho in (0, 1].
-        lambda_m: key-merging coefficient of Eq. (key_merge) (the paper uses 0.25 for QuALITY and
-            RULER); ``None`` (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio``
-            (:func:`ratio_defaults`; 0.25 at every kept fraction, chosen on the fidelity dev split,
-            ``docs/methodology.md``).
-        pooling: ``rms`` (paper Eq. (indexer_pooling)), ``mean`` or ``max``.
-        query_budget: reference-query rows per KV head (G rows per captured position).
-        context_fraction: share of reference rows taken from the context's own prefill queries
-            (AM's "context-prefill" option) instead of the repeat-prefill; 0 = paper default.
-        repeat_chunk: document tokens repeated per forward of the chunked repeat-prefill.
-        budget_weights: per layer-head weights a(l, h) ``[L, H]`` (tensor or path to a
-            ``.pt``/``.safetensors`` file); None = the indexer checkpoint's weights for ``arckv``,
-            uniform otherwise.
-        indexer: indexer checkpoint path (or a loaded indexer); None = shipped default.
-        min_length: shortest document (tokens) accepted.
-        seed: seed of every random choice (reference-row subsampling).
-        progress: show tqdm progress bars.
-        on_policy: Attention Matching's option: the reference queries of layer l are recaptured by
-            a repeat-prefill through a cache whose layers below l are already compacted (one
-            repeat-prefill per layer, so about L times the cost); off by default.
-        score_queries: ARC-KV anchor scoring from ``"all"`` captured positions of each reference
-            source (default; the fits still use the ``query_budget`` rows) or from the
-            ``"budget"`` rows only (the paper's setting). See ``allocation``.
-        allocation: ARC-KV per-head budgets: ``"global"`` (default; one top-k over the scores of
-            every layer and head, :func:`~arckv_press.compaction.select.global_budgets`) or
-            ``"fixed"`` (Eq. (per_head_budget) with ``budget_weights`` / the checkpoint's weights /
-            uniform, the paper's setting); what each costs in planted needles is in
-            ``docs/results.md``. Attention Matching methods ignore both options (uniform budgets,
-            as its code).
-        min_head_fraction: with ``allocation="global"``, every layer--KV head first keeps this
-            fraction of its uniform budget, ``floor(min_head_fraction * ratio * T)`` anchors (at
-            least 1), and only the rest is allocated by the global top-k
-            (:func:`~arckv_press.compaction.select.global_budgets`'s ``min_fraction``); 0 = fully
-            global, 1 = uniform, 0.5 the default. Fully global budgets can starve diffuse heads at
-            low kept fractions (measured in ``docs/results.md``, "Continuation fidelity").
-        pipeline: how ARC-KV with ``score_queries="all"`` reads its reference rows. ``"fused"``
-            (default): the repeat-prefill's own attention gathers the anchor scores, each key's
-            witness row and every row's full-cache targets in one pass
-            (:mod:`arckv_press.compaction.stats`); each KV head then fits on the budget rows plus
-            its own anchors' witness rows, and merges keys on ``merge_rows`` of the budget rows.
-            ``"separate"``: the previous pipeline, which scores, finds witnesses and fits in
-            separate passes over all captured rows, fits on the union of every KV head's witness
-            positions (all query heads of each) and merges on all fit rows. The fused pipeline
-            needs ``context_fraction=0`` and ``on_policy=False``; otherwise the separate one runs.
-        merge_rows: fused pipeline: reference rows per KV head of the response profiles
-            (Eq. (response_profile)), a seeded subsample of the budget rows (whole query-head
-            groups of a position); ``None`` = each head's fit rows.
-        max_head_multiple: with ``allocation="global"``, no layer--KV head gets more than this multiple
-            of its uniform budget (``floor(max_head_multiple * ratio * T)``); what a capped head
-            would have taken goes to the next best positions of other heads. Without a cap a few
-            heads (those whose rows each attend sharply to a different position) take most of
-            their positions, and their merge and fits, which grow with the square of a head's
-            anchor count, dominate the compaction time; but those heads are the copy heads that keep
-            planted needles, so capping them loses needles. ``None`` (default) = no cap.
-        verbatim_fraction: fused pipeline: a KV head that keeps more than this fraction of its
-            positions keeps its anchors' keys and values as they are, with beta = 0 (no merging, no
-            fits), which saves the merge and fits that cost about the square of its anchor count;
-            but those heads lose the mass of the positions they drop, and continuation damage
-            rises. ``None`` (default) = every head is merged and fitted.
-        indexer_rows: fused pipeline, method ``arckv``: the reference rows the learned indexer
-            scores. ``"corrected"`` (default): ``score_rows`` of the budget rows, with the indexer's
-            base selector pooled over every row by the reference pass (the residual indexer's own
-            base, HA or VI; HA for the paper's form): the base's all-row score scaled by the
-            indexer's ratio to it on the sample
-            (:func:`~arckv_press.compaction.select.corrected_scores`), an estimate of ``"all"`` at
-            about the cost of HA's scores; rms or mean pooling. ``"all"``: every captured row (as HA
-            and VI scores are pooled; about G T / score_rows times the scoring work). ``"budget"``:
-            the budget rows only (the paper's n_score setting, uncorrected: anchors picked for a
-            planted needle by its few sharp rows are missed).
-        score_rows: ``indexer_rows="corrected"``: reference rows per KV head the learned indexer
-            scores, a seeded subsample of the budget rows (as ``merge_rows``); ``None`` = every
-            budget row.
-        score_shrink: ``indexer_rows="corrected"``: how far the sampled ratio is shrunk towards 1
-            for keys the sample saw little of (``shrink`` of ``corrected_scores``).
-        fit_scope: ARC-KV: the anchors whose beta and C_v are fitted, ``"merged"`` (default: only
-            anchors that absorbed other positions; the others keep their own key, value and
-            beta = 0) or ``"all"`` (the paper; :class:`~arckv_press.compaction.layer.LayerMethod`).
-        anchor_search: ARC-KV: ``"scores"`` (top-t of the anchor scores) or ``"omp"`` / ``"omp-fast"``
-            (Attention Matching's greedy search on the budget rows, with the budgets the scores
-            allocate, then ARC-KV's merging and fits; :class:`~arckv_press.compaction.layer.LayerMethod`).
-            ``None`` (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio``: ``"scores"`` at
-            keep 5% and above, ``"omp"`` below.
-        fit_witnesses: with ``score_queries="all"``, the fits (and key merging) use the
-            ``query_budget`` rows plus every anchor's witness query, the captured row that attends
-            to it most (:mod:`arckv_press.compaction.witness`): without them, anchors picked for a
-            planted needle get C_v fitted from queries that barely touch them (``docs/results.md``,
-            "Why ARC-KV lost needles"). ``False`` = the budget rows only.
-        instruction_rows: fused pipeline: the repeat-prefill's instruction tokens (the repeat prompt
-            and the answer-turn suffix of its first chunk) are reference rows too, in the anchor
-            scores, the merge rows and every head's fit rows. They sit right after the document, as
-            every question does, and attend to its last part as questions do; the repeated copy's
-            rows sit a whole document further on and do not, so without them positions near the
-            end of the document are fitted for queries unlike the questions that read them.
-            ``False`` (default): the repeated document's rows only.
-        near_rows: fused pipeline: every repeated copy's query, moved by its rotary embedding from
-            where the copy sits (a document after the original) to a position right after the
-            document, where a question's tokens sit (the instruction's positions, in turn;
-            :meth:`~arckv_press.capture.StatsCapture.add_near_rows`), is a reference row too: all
-            of them in the anchor scores and the witnesses, those of the budget positions in the
-            merge and fit rows. A question reads a position near the document's end from a few
-            tokens away, the copy from a whole document away; heads whose reading depends on the
-            distance see the end of the document only in these rows. ``False`` (default): off.
-    """
-
-    method: str = "arckv"
-    ratio: float = 0.1
-    lambda_m: float | None = None
-    pooling: str = "rms"
-    query_budget: int = 2048
-    context_fraction: float = 0.0
-    repeat_chunk: int = 2048
-    budget_weights: torch.Tensor | str | Path | None = None
-    indexer: object = None
-    fit: FitConfig = field(default_factory=FitConfig)
-    chunk_len: int = 4096
-    chunk_min_length: int = 10_000
-    min_length: int = 16
-    seed: int = 0
-    progress: bool = False
-    on_policy: bool = False
-    score_queries: str = "all"
-    allocation: str = "global"
-    min_head_fraction: float = 0.5
-    fit_witnesses: bool = True
-    pipeline: str = "fused"
-    merge_rows: int | None = 512
-    max_head_multiple: float | None = None
-    verbatim_fraction: float | None = None
-    indexer_rows: str = "corrected"
-    score_rows: int | None = 512
-    score_shrink: float = 0.1
-    fit_scope: str = "merged"
-    anchor_search: str | None = None
-    instruction_rows: bool = False
-    near_rows: bool = False
-
-    def __post_init__(self) -> None:
-        lookup_method(self.method, ours=True)
-        check_ratio(self.ratio)
-        if not 0.0 <= self.context_fraction <= 1.0:
-            raise ValueError(f"context_fraction must be in [0, 1], got {self.context_fraction}")
-        if self.query_budget < 1 or self.repeat_chunk < 1:
-            raise ValueError("query_budget and repeat_chunk must be positive")
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
-        if self.score_queries not in ("all", "budget"):
-            raise ValueError(f"score_queries must be 'all' or 'budget', got {self.score_queries!r}")
-        if self.allocation not in ("global", "fixed"):
-            raise ValueError(f"allocation must be 'global' or 'fixed', got {self.allocation!r}")
-        if not 0.0 <= self.min_head_fraction <= 1.0:
-            raise ValueError(f"min_head_fraction must be in [0, 1], got {self.min_head_fraction}")
-        if self.on_policy and self.allocation == "global" and self.family == "arckv":
-            raise ValueError("on_policy=True needs allocation='fixed' (global budgets need every layer's queries up front)")
-        if self.min_length < 1:
-            raise ValueError(f"min_length must be >= 1, got {self.min_length}")
-        if self.max_head_multiple is not None and not (isinstance(self.max_head_multiple, (int, float))
-                                                       and not isinstance(self.max_head_multiple, bool)
-                                                       and math.isfinite(self.max_head_multiple)
-                                                       and self.max_head_multiple >= 1):
-            raise ValueError(f"max_head_multiple must be a number >= 1 or None, got {self.max_head_multiple!r}")
-        if self.score_rows is not None and (isinstance(self.score_rows, bool) or not isinstance(self.score_rows, int)
-                                            or self.score_rows < 1):
-            raise ValueError(f"score_rows must be a positive int or None, got {self.score_rows!r}")
-        if self.indexer_rows not in INDEXER_ROWS:
-            raise ValueError(f"indexer_rows must be one of {INDEXER_ROWS}, got {self.indexer_rows!r}")
-        check_nonnegative(self.score_shrink, "score_shrink")
-        if self.method == "arckv" and self.indexer_rows == "corrected" and self.pooling == "max":
-            raise ValueError("indexer_rows='corrected' estimates a mean over rows: it needs pooling 'rms' or 'mean', "
-                             "not 'max'")
-        if self.pipeline not in PIPELINES:
-            raise ValueError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
-        if self.merge_rows is not None and (isinstance(self.merge_rows, bool) or not isinstance(self.merge_rows, int)
-                                            or self.merge_rows < 1):
-            raise ValueError(f"merge_rows must be a positive int or None, got {self.merge_rows!r}")
-        for name in ("instruction_rows", "near_rows"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.family == "arckv" and (self.instruction_rows or self.near_rows) and not _fused(self):
-            raise ValueError("instruction_rows and near_rows need the fused pipeline (pipeline='fused', "
-                             "score_queries='all', context_fraction=0, on_policy=False)")
-        self.layer_method()  # validates lambda_m now, not after the prefill and repeat-prefill
-
-    @property
-    def family(self) -> str:
-        """``"arckv"`` or ``"am"`` (:class:`~arckv_press.methods.Method`)."""
-        return lookup_method(self.method, ours=True).family
-
-    def merging_coefficient(self) -> float:
-        """``lambda_m`` as used at this config's kept fraction (the schedule's when ``None``)."""
-        return ratio_defaults(self.ratio).lambda_m if self.lambda_m is None else self.lambda_m
-
-    def anchor_search_used(self) -> str:
-        """``anchor_search`` as used at this config's kept fraction (the schedule's when ``None``)."""
-        return ratio_defaults(self.ratio).anchor_search if self.anchor_search is None else self.anchor_search
-
-    def layer_method(self) -> LayerMethod:
-        return LayerMethod(self.method, self.merging_coefficient(), self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
-                           fit_witnesses=self.fit_witnesses, verbatim_fraction=self.verbatim_fraction,
-                           fit_scope=self.fit_scope, anchor_search=self.anchor_search_used())
-
-
-_RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")
-_INDEXER_ONLY_FIELDS = ("indexer_rows", "score_rows", "score_shrink")  # options only the learned indexer's method reads  # never change a result (the indexer has its own id)
-_ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "score_queries", "allocation", "min_head_fraction", "fit_witnesses",
-                      "pipeline", "merge_rows", "max_head_multiple", "verbatim_fraction", "fit_scope",
-                      "anchor_search", "instruction_rows", "near_rows")
-
-
-# options added after results were stored: they enter the id only when set to something else, so
-# the ids (and the stored rows) of the configurations that existed before stay valid
-_OMITTED_AT_DEFAULT = {"anchor_search": "scores", "score_rows": 512, "instruction_rows": False, "near_rows": False}
-# options only indexer_rows="corrected" reads (score_shrink entered the id with the ratio estimate,
-# so rows of the earlier additive estimate keep an id of their own)
-_CORRECTED_ONLY_FIELDS = ("score_shrink",)
-
-
-def _canonical(value):
-    """A JSON-able, content-based stand-in for one config value (tensors and weight files by content)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, torch.Tensor):
-        t = value.detach().to("cpu", torch.float64).contiguous()
-        return "tensor:" + hashlib.sha256(str(tuple(t.shape)).encode() + t.numpy().tobytes()).hexdigest()[:16]
-    if isinstance(value, (str, Path)) and Path(value).is_file():
-        return "file:" + hashlib.sha256(Path(value).read_bytes()).hexdigest()[:16]
-    if isinstance(value, float):
-        return repr(value)
-    return value if value is None or isinstance(value, (bool, int, str)) else repr(value)
-
-
-def config_id(config: CompactionConfig) -> str:
-    """Short content id (12 hex digits) of the options that shape a compaction's result.
-
-    Covers every :class:`CompactionConfig` field (and :class:`FitConfig`) except the kept fraction,
-    with ``lambda_m`` and ``anchor_search`` as used at that kept fraction (so the default schedule and
-    the same values given explicitly share an id, and the id changes where the schedule does),
-    progress bars, ``min_length`` (it only refuses inputs) and the indexer (which has its own id,
-    :func:`arckv_press.indexer.checkpoint.checkpoint_id`); for Attention Matching methods also
-    except the ARC-KV-only options they ignore (merging, budgets, witnesses). Benchmark rows store
-    it, so a result made under other defaults (say a new ``min_head_fraction``) is never taken for
-    a current one, while unrelated default changes leave the other methods' rows valid.
-    """
-    skip = set(_RUN_ONLY_FIELDS) | (set(_ARCKV_ONLY_FIELDS) if config.family == "am" else set())
-    skip |= set(_INDEXER_ONLY_FIELDS) if config.method != "arckv" else set()
-    used = {"anchor_search": config.anchor_search_used()}  # resolved from the schedule where it decides
-    skip |= {name for name, default in _OMITTED_AT_DEFAULT.items() if used.get(name, getattr(config, name)) == default}
-    skip |= set(_CORRECTED_ONLY_FIELDS) if config.indexer_rows != "corrected" else set()
-    options = {f.name: _canonical(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in skip}
-    if "lambda_m" in options:  # the coefficient used at this kept fraction: the schedule's or the one given
-        options["lambda_m"] = _canonical(float(config.merging_coefficient()))
-    if "anchor_search" in options:
-        options["anchor_search"] = used["anchor_search"]
-    if config.family == "am":
-        options["fit"].pop("gram_dtype")  # Attention Matching always forms float64 products
-    return hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
-
+__all__ = ["compact", "compact_prefilled", "CompactionReport", "reference_positions"]
 
 @dataclass
 class CompactionReport:
@@ -433,8 +130,10 @@ def _check_indexer_shape(indexer, model) -> None:
         )
 
 
-def _reference_positions(T: int, G: int, config: CompactionConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Document positions whose repeat / context queries are captured (``query_budget // G`` in all).
+def reference_positions(T: int, G: int, config: CompactionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document positions of the repeat / context reference rows (``query_budget // G`` in all): the
+    budget rows every ARC-KV head fits on (its reference pass reads every position's row for the
+    scores and witnesses), the captured rows of Attention Matching.
 
     A pure source (``context_fraction`` 0 or 1) never borrows rows from the other one, even when the
     document has fewer positions than the budget; mixed sources spill over as ``mix_sources`` does.
@@ -508,7 +207,7 @@ def compact_prefilled(
     layers = list(layout.full_attention_layers)
     H, G = layout.num_kv_heads, layout.group_size
     timings: dict[str, float] = {}
-    plan = capture_plan(T, G, config)
+    repeat_pos, context_pos = reference_positions(T, G, config)
 
     # Indexer and budgets are resolved before the (possibly long) prefill: a missing checkpoint or
     # malformed budget weights fail fast and leave ``cache`` untouched.
@@ -520,14 +219,14 @@ def compact_prefilled(
     budgets = per_head_budgets(T, config.ratio, weights, len(layers), H)
 
     t0 = time.perf_counter()
-    if already_prefilled and config.ratio < 1.0 and plan.context_capture.numel() and context_queries is None:
+    if already_prefilled and config.ratio < 1.0 and context_pos.numel() and context_queries is None:
         raise ValueError(
             f"context_fraction={config.context_fraction} needs the queries captured during the prefill "
             "(context_queries); capture them with QueryCapture or set context_fraction=0"
         )
     if not already_prefilled:
-        if config.ratio < 1.0 and plan.context_capture.numel():
-            context_queries = _prefill_capturing(model, cache, context_ids, layers, plan.context_capture + prefix_len)
+        if config.ratio < 1.0 and context_pos.numel():
+            context_queries = _prefill_capturing(model, cache, context_ids, layers, context_pos + prefix_len)
         else:
             prefill(model, context_ids, cache)
     timings["prefill"] = time.perf_counter() - t0 if not already_prefilled else 0.0
@@ -539,12 +238,12 @@ def compact_prefilled(
     if config.ratio >= 1.0:
         layer_results = {i: None for i in layers}
         n_rows = 0
-    elif _fused(config):
+    elif config.family == "arckv":
         layer_results, n_rows = _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, config, method,
-                                               framing, indexer, budgets, plan, timings, H, G)
+                                               framing, indexer, budgets, repeat_pos, timings, H, G)
     else:
-        layer_results, n_rows = _compact_separate(model, tokenizer, cache, context_ids, prefix_len, layers, config,
-                                                  method, framing, indexer, budgets, plan, context_queries, timings, H, G)
+        layer_results, n_rows = _compact_am(model, tokenizer, cache, context_ids, prefix_len, layers, config, method,
+                                            framing, budgets, repeat_pos, context_queries, timings, H, G)
     for layer_idx in layers:
         _pack_layer(cache, layer_idx, prefix_len, T, H, layer_results[layer_idx])
 
@@ -584,21 +283,14 @@ def _progress(config: CompactionConfig, total: int, desc: str, unit: str = "tok"
     return tqdm(total=total, desc=desc, unit=unit, leave=False)
 
 
-def _fused(config: CompactionConfig) -> bool:
-    """Whether ARC-KV runs the fused reference pass (``CompactionConfig.pipeline``)."""
-    return (config.pipeline == "fused" and config.family == "arckv" and config.score_queries == "all"
-            and not config.on_policy and config.context_fraction == 0.0)
-
-
 def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, indexer,
-                   budgets, plan, timings, H, G):
-    """Stages of the fused pipeline: one repeat-prefill gathering every statistic, allocation,
+                   budgets, base_pos, timings, H, G):
+    """ARC-KV's stages (the fused pipeline): one repeat-prefill gathering every statistic, allocation,
     then each layer from its statistics (:func:`compact_layer_from_stats`)."""
     T = context_ids.shape[1] - prefix_len
     selector = lookup_method(config.method).selector
     t0 = time.perf_counter()
     bar = _progress(config, T, "repeat-prefill")
-    base_pos = plan.repeat_rows
     score_pos = indexer_positions(config, base_pos, T, G)
     pass_selector = selector
     if selector == "indexer":  # the pass pools the residual indexer's base only as its control variate
@@ -606,18 +298,15 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
     cap = repeat_prefill_stats(model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, layers,
                                prefix_len, selector=pass_selector, pooling=config.pooling,
                                x_positions=score_pos if selector == "indexer" else None,
-                               chunk_size=config.repeat_chunk, progress=bar, instruction_rows=config.instruction_rows,
-                               near_positions=torch.arange(T) if config.near_rows else None)
+                               chunk_size=config.repeat_chunk, progress=bar, near_positions=torch.arange(T) if config.near_rows else None)
     if bar is not None:
         bar.close()
     timings["repeat_prefill"] = time.perf_counter() - t0
     timings["reference_stats"] = cap.stats_seconds  # part of repeat_prefill: the in-pass selection work
     queries = {i: group_queries_by_kv_head(torch.cat(cap.store.q.pop(i), dim=1)[None], H) for i in layers}
 
-    N = T + cap.n_instruction + cap.n_near  # rows per query head: the repeated document, the instruction, near rows
-    after = torch.arange(T, T + cap.n_instruction)  # every instruction row, and the near rows of the budget positions
-    if cap.n_near:
-        after = torch.cat([after, T + cap.n_instruction + base_pos])
+    N = T + cap.n_near  # rows per query head: the repeated document, then the near rows
+    after = T + base_pos if cap.n_near else torch.zeros(0, dtype=torch.long)  # the near rows of the budget positions
     base_rows = grouped_rows(torch.cat([base_pos, after]), N, G)
     score_rows = grouped_rows(score_pos, N, G)
     t0 = time.perf_counter()
@@ -631,14 +320,14 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
                 sample, sample_base = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling,
                                                      base=True, base_scale=_scaling(model, i))
                 scores[i] = corrected_scores(cap.stats[i].scores, sample, sample_base, config.pooling,
-                                             config.score_shrink, Q.shape[1] / queries[i].shape[1])
+                                             SCORE_SHRINK, Q.shape[1] / queries[i].shape[1])
             else:
                 scores[i] = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling)
         else:
             scores[i] = cap.stats[i].scores
     if config.allocation == "global":
         budgets = global_budgets(torch.stack([scores[i].float() for i in layers]), config.ratio,
-                                 min_fraction=config.min_head_fraction, max_multiple=config.max_head_multiple)
+                                 min_fraction=config.min_head_fraction)
     timings["selection"] = time.perf_counter() - t0
 
     merge_rows = None
@@ -687,69 +376,41 @@ def _control_selector(indexer, model, layers) -> str:
     return "vi" if cfg.base_value_influence else "ha"
 
 
-def _compact_separate(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, indexer,
-                      budgets, plan, context_queries, timings, H, G):
-    """The separate pipeline (``pipeline="separate"``, Attention Matching, ``on_policy``, mixed
-    reference sources): captured queries, then per layer :func:`compact_layer`."""
+def _compact_am(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, budgets, repeat_pos,
+                context_queries, timings, H, G):
+    """Attention Matching's stages: the reference queries captured by the repeat-prefill (and the
+    context prefill, ``context_fraction``; recaptured before each layer through the layers already
+    compacted, ``on_policy``), then per layer :func:`compact_layer`."""
     repeat_store = None
-    if plan.repeat_capture.numel():
+
+    def capture(capture_layers, bar=None):
+        return repeat_prefill(model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, capture_layers,
+                              repeat_pos, config.repeat_chunk, bar)
+
+    if repeat_pos.numel():
         t0 = time.perf_counter()
         bar = _progress(config, context_ids.shape[1] - prefix_len, "repeat-prefill")
-        repeat_store = repeat_prefill(
-            model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids,
-            layers[:1] if config.on_policy else layers, plan.repeat_capture, config.repeat_chunk, bar,
-        )
+        repeat_store = capture(layers[:1] if config.on_policy else layers, bar)
         if bar is not None:
             bar.close()
         timings["repeat_prefill"] = time.perf_counter() - t0
-    scored = config.family == "arckv" and not config.on_policy
-
-    def layer_scores(layer_idx: int) -> torch.Tensor:
-        """Anchor scores of a layer from every captured reference row (``score_queries``)."""
-        X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H)
-        K, V = _document_kv(cache, layer_idx, prefix_len)
-        return anchor_scores(method, Q, K, V, _scaling(model, layer_idx),
-                             group_activations(X, G) if X is not None else None, indexer, layer_idx)
-
-    scores: dict[int, torch.Tensor] = {}
-    if scored and config.allocation == "global":
-        t0 = time.perf_counter()
-        scores = {layer_idx: layer_scores(layer_idx) for layer_idx in layers}
-        budgets = global_budgets(torch.stack([scores[i].float() for i in layers]), config.ratio,
-                                 min_fraction=config.min_head_fraction, max_multiple=config.max_head_multiple)
-        timings["selection"] = time.perf_counter() - t0
-
     results, n_rows = {}, 0
     bar = _progress(config, len(layers), f"compact ({config.method})", unit="layer")
     for li, layer_idx in enumerate(layers):
         K, V = _document_kv(cache, layer_idx, prefix_len)
-        if config.on_policy and li > 0 and plan.repeat_capture.numel():
+        if config.on_policy and li > 0 and repeat_pos.numel():
             t0 = time.perf_counter()
             enable_compact_attention(model)  # layers below are compact now
-            repeat_store = repeat_prefill(
-                model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, [layer_idx],
-                plan.repeat_capture, config.repeat_chunk,
-            )
+            repeat_store = capture([layer_idx])
             timings["repeat_prefill"] = timings.get("repeat_prefill", 0.0) + time.perf_counter() - t0
-        layer_score = scores.pop(layer_idx, None)
-        if scored and layer_score is None:
-            t0 = time.perf_counter()
-            layer_score = layer_scores(layer_idx)
-            timings["selection"] = timings.get("selection", 0.0) + time.perf_counter() - t0
-        fit_pos = _fit_positions(layer_idx, repeat_store, context_queries, plan)
-        X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H,
-                              *((None, None) if fit_pos is not None else (plan.repeat_rows, plan.context_rows)))
-        res = compact_layer(
-            K, V, Q, budgets[li].to(K.device), _scaling(model, layer_idx), method,
-            X=group_activations(X, G) if X is not None else None, indexer=indexer, layer_idx=layer_idx,
-            scores=layer_score, fit_positions=fit_pos, group_size=G,
-        )
+        X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H)
+        res = compact_layer(K, V, Q, budgets[li].to(K.device), _scaling(model, layer_idx), method,
+                            X=group_activations(X, G), layer_idx=layer_idx, group_size=G)
         results[layer_idx] = res
         n_rows = max(n_rows, res.fit_rows)
         for stage, sec in res.timings.items():
             timings[stage] = timings.get(stage, 0.0) + sec
-        # on_policy: the next layer's repeat-prefill reads this layer compacted
-        if config.on_policy:
+        if config.on_policy:  # the next layer's repeat-prefill reads this layer compacted
             _pack_layer(cache, layer_idx, prefix_len, K.shape[1], H, res)
         if bar is not None:
             bar.update(1)
@@ -797,63 +458,12 @@ def _document_kv(cache, layer_idx: int, prefix_len: int) -> tuple[torch.Tensor, 
     return layer.keys[0, :, prefix_len:], layer.values[0, :, prefix_len:]
 
 
-@dataclass
-class _CapturePlan:
-    """Document positions captured per reference source, and which captured rows feed the fits.
-
-    ``*_rows`` index the captured rows of a source (``None``: all of them). With
-    ``score_queries="all"`` (ARC-KV) every position is captured so the anchor scores see all
-    reference queries, and the fits use the ``query_budget`` subset.
-    """
-
-    repeat_capture: torch.Tensor
-    context_capture: torch.Tensor
-    repeat_rows: torch.Tensor | None
-    context_rows: torch.Tensor | None
-
-
-def capture_plan(T: int, G: int, config: CompactionConfig) -> _CapturePlan:
-    """The document positions each reference source captures for ``T`` document tokens and ``G``
-    query heads per KV head, and which captured rows feed the fits (shared with the presses)."""
-    repeat_pos, context_pos = _reference_positions(T, G, config)
-    score_all = config.score_queries == "all" and config.family == "arckv" and not config.on_policy
-
-    def widen(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if score_all and pos.numel():
-            return torch.arange(T), pos  # captured row i is position i
-        return pos, None
-
-    (rep_cap, rep_rows), (ctx_cap, ctx_rows) = widen(repeat_pos), widen(context_pos)
-    return _CapturePlan(rep_cap, ctx_cap, rep_rows, ctx_rows)
-
-
-def _fit_positions(layer_idx: int, repeat_store, context_store, plan: _CapturePlan) -> torch.Tensor | None:
-    """Positions of the layer's whole reference pool (repeat captures, then context captures, as
-    :func:`_layer_queries` concatenates them) that feed the fits, or ``None`` when the pool is
-    the fit rows already (no ``score_queries="all"`` widening)."""
-    if plan.repeat_rows is None and plan.context_rows is None:
-        return None
-    parts, offset = [], 0
-    for store, rows in ((repeat_store, plan.repeat_rows), (context_store, plan.context_rows)):
-        if store is not None and layer_idx in store.x:
-            n = sum(chunk.shape[0] for chunk in store.x[layer_idx])
-            parts.append((torch.arange(n) if rows is None else rows.cpu().long()) + offset)
-            offset += n
-    return torch.cat(parts)
-
-
-def _layer_queries(
-    layer_idx: int, repeat_store, context_store, H: int, repeat_rows=None, context_rows=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``X [n, d_x]`` and ``Q [H_kv, G * n, D]`` from the repeat and context captures of a layer
-    (``*_rows``: the captured rows to use, ``None`` = all)."""
+def _layer_queries(layer_idx: int, repeat_store, context_store, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``X [n, d_x]`` and ``Q [H_kv, G * n, D]`` from the repeat and context captures of a layer."""
     xs, qs = [], []
-    for store, rows in ((repeat_store, repeat_rows), (context_store, context_rows)):
+    for store in (repeat_store, context_store):
         if store is not None and layer_idx in store.x:
             x, q = store.layer(layer_idx)
-            if rows is not None:
-                rows = rows.to(x.device)
-                x, q = x[rows], q[:, rows]
             xs.append(x)
             qs.append(q)
     if not xs:

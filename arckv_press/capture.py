@@ -175,11 +175,8 @@ class StatsCapture:
 
     def __init__(self, model, layers: list[int], prefix_len: int, doc_len: int, selector: str = "ha",
                  pooling: str = "rms", x_positions: torch.Tensor | None = None, block: int = ReferenceStats.block,
-                 instruction_rows: bool = False, near_positions: torch.Tensor | None = None):
+                 near_positions: torch.Tensor | None = None):
         self.model, self.layers = model, list(layers)
-        self.instruction_rows = bool(instruction_rows)
-        self.n_instruction = 0  # instruction rows appended after the document's rows (set by the first forward)
-        self._instruction: dict[int, torch.Tensor] = {}  # per layer: the first forward's instruction queries
         # near rows: the copies' queries at these document positions, moved to just after the document
         self.near_positions = None if near_positions is None else _check_positions(near_positions, doc_len)
         self.n_near = 0 if self.near_positions is None else self.near_positions.numel()
@@ -245,14 +242,6 @@ class StatsCapture:
         Hkv, G, n, D = q.shape
         self.store.q[idx].append(q.reshape(Hkv * G, n, D).to(self.store.q[idx][0].dtype))
 
-    def add_instruction_rows(self, cache) -> None:
-        """Append the first forward's instruction rows (the repeat prompt and the answer-turn suffix,
-        which sit right after the document as every question does) to each layer's statistics, as
-        rows ``doc_len .. doc_len + n_instruction - 1``, and their queries to ``store.q``."""
-        for idx, q in self._instruction.items():
-            self._append_rows(cache, idx, q, self.doc_len)
-        self._instruction.clear()
-
     def _rope_hook(self, layer_idx: int):
         """Keep the rotary ``(cos, sin)`` of the captured rows of each forward, and of the first
         forward's instruction tokens (the positions right after the document), for the near rows."""
@@ -268,8 +257,7 @@ class StatsCapture:
         return hook
 
     def add_near_rows(self, cache) -> None:
-        """Append the near rows to each layer's statistics, after the document's (and instruction's)
-        rows: the repeated copy's query at each of ``near_positions``, moved by its rotary embedding
+        """Append the near rows to each layer's statistics, after the document's rows: the repeated copy's query at each of ``near_positions``, moved by its rotary embedding
         from where the copy sits (a whole document after the original) to a position right after the
         document, where a question's tokens sit: the first forward's instruction positions, in turn.
         A question that asks for what a position holds reads it from there, at a short distance; the
@@ -289,7 +277,7 @@ class StatsCapture:
             q_near = _apply_rope(module, q0, t_cos[turn][None].float(), t_sin[turn][None].float())[0].to(q.dtype)
             Hkv = cache.layers[idx].keys.shape[1]
             self._append_rows(cache, idx, q_near.view(Hkv, q_near.shape[0] // Hkv, pos.numel(), -1),
-                              self.doc_len + self.n_instruction)
+                              self.doc_len)
 
     def _x_hook(self, layer_idx: int):
         def hook(module, args, kwargs):
@@ -319,14 +307,10 @@ class StatsCapture:
         stats = self.stats.get(idx)
         off = c - n
         if stats is None:
-            if self.instruction_rows and start == 0:  # the first forward: its instruction follows the document
-                self.n_instruction = off
-            stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len + self.n_instruction + self.n_near, self.doc_len,
+            stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len + self.n_near, self.doc_len,
                                                      value.shape[-1], self.selector, self.pooling, query.device,
                                                      block=self.block)
         self._scaling[idx] = scaling
-        if self.n_instruction and start == 0:
-            self._instruction[idx] = q[:, :, :off].clone()
         V_doc = value[0, :, lo:hi]
         new = causal_part(q, key[0, :, hi:], value[0, :, hi:], scaling)     # None off the CPU: blockwise below
         cut = (lambda sl: None) if new is None else (lambda sl: (new[0][:, :, sl], new[1][:, :, sl]))
@@ -435,7 +419,6 @@ def repeat_prefill_stats(
     chunk_size: int = 2048,
     progress=None,
     block: int = ReferenceStats.block,
-    instruction_rows: bool = False,
     near_positions: torch.Tensor | None = None,
 ) -> StatsCapture:
     """The repeat-prefill of :func:`repeat_prefill` capturing every document position, with the
@@ -444,14 +427,13 @@ def repeat_prefill_stats(
     it is restored afterwards. Returns the capture: ``stats[layer]`` and ``store`` (queries, and the
     ``q_proj`` inputs at ``x_positions``), rows in position order. ``block``: query rows per block
     of the statistics (:class:`~arckv_press.compaction.stats.ReferenceStats`' default).
-    ``instruction_rows``: the first chunk's instruction tokens (the repeat prompt and the suffix),
-    which follow the document as a question does, are reference rows too, after the document's
-    (rows ``T .. T + capture.n_instruction - 1``; :meth:`StatsCapture.add_instruction_rows`)."""
+    ``near_positions``: the near rows (:meth:`StatsCapture.add_near_rows`), rows ``T ..`` after the
+    document's."""
     if cache.get_seq_length() != prefix_len + doc_ids.shape[-1]:
         raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, expected prefix {prefix_len} + "
                          f"document {doc_ids.shape[-1]}")
     cap = StatsCapture(model, layers, prefix_len, doc_ids.shape[-1], selector, pooling, x_positions, block,
-                       instruction_rows, near_positions)
+                       near_positions)
     with cap:
         def forward(start: int, n: int, ids: torch.Tensor) -> None:
             cap.expect(start, n)
@@ -459,7 +441,6 @@ def repeat_prefill_stats(
             cap._rows = None
 
         _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward)
-    cap.add_instruction_rows(cache)
     cap.add_near_rows(cache)
     for stats in cap.stats.values():
         stats.result()

@@ -88,7 +88,8 @@ def _read_text(path: str) -> str:
 
 
 def cmd_compact(args) -> int:
-    from arckv_press.api import CompactionConfig, compact
+    from arckv_press.config import CompactionConfig
+    from arckv_press.api import compact
     from arckv_press.capture import check_document_text
 
     # everything that can be checked without the model is checked before it is loaded
@@ -187,7 +188,7 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from arckv_press.api import RATIO_SCHEDULE, CompactionConfig
+    from arckv_press.config import RATIO_SCHEDULE, CompactionConfig
     from arckv_press.compaction.layer import ANCHOR_SEARCHES
     from arckv_press.methods import COMPACTION_METHODS
     from arckv_press.models import model_help

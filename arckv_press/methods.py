@@ -50,7 +50,7 @@ class Method:
     @property
     def ours(self) -> bool:
         """An ARC-KV or Attention Matching method: compacted by this package (a compaction config
-        with an id, :func:`arckv_press.api.config_id`), not a kvpress press or the full cache."""
+        with an id, :func:`arckv_press.config.config_id`), not a kvpress press or the full cache."""
         return self.family in ("arckv", "am")
 
     def press_arguments(self) -> dict[str, str]:

@@ -36,7 +36,8 @@ import torch
 from kvpress import BasePress
 from transformers import DynamicCache
 
-from arckv_press.api import CompactionConfig, CompactionReport, capture_plan, compact_prefilled
+from arckv_press.config import CompactionConfig
+from arckv_press.api import CompactionReport, compact_prefilled, reference_positions
 from arckv_press.capture import QueryCapture, framing_for
 from arckv_press.compaction.checks import check_ratio
 from arckv_press.methods import am_method, arckv_method
@@ -119,10 +120,10 @@ class _CompactionPress(BasePress):
             ``AutoTokenizer.from_pretrained(model.config.name_or_path)``, as kvpress's
             ``KVzipPress`` does (the default model's ``name_or_path`` is a local folder).
         query_budget, context_fraction, seed, progress: as in
-            :class:`~arckv_press.api.CompactionConfig` (defaults taken from it).
+            :class:`~arckv_press.config.CompactionConfig` (defaults taken from it).
         use_chat_template: framing choice (None: chat template when the tokenizer has one, the
             same rule as kvpress's pipeline).
-        config_options: further :class:`~arckv_press.api.CompactionConfig` fields passed through
+        config_options: further :class:`~arckv_press.config.CompactionConfig` fields passed through
             unchanged (e.g. ``pooling``, ``fit=FitConfig(...)``, ``repeat_chunk``,
             ``budget_weights``, ``min_length``).
 
@@ -275,8 +276,7 @@ class _CompactionPress(BasePress):
             prefix_len = n if n and ids.shape[1] >= n and ids[0, :n].tolist() == prefix_ids else 0
             record.input_ids, record.cache, record.prefix_len = ids.detach(), cache, prefix_len
             if capture is not None:
-                plan = capture_plan(ids.shape[1] - prefix_len, layout.group_size, config)
-                capture.rows = plan.context_capture + prefix_len
+                capture.rows = reference_positions(ids.shape[1] - prefix_len, layout.group_size, config)[1] + prefix_len
             return args, kwargs
 
         # The module kvpress's pipeline and arckv_press.capture.prefill call. For multimodal wrappers
@@ -340,7 +340,7 @@ class ARCKVPress(_CompactionPress):
             keeps every position with beta = 0 and answers exactly as the full cache.
         lambda_m: key-merging coefficient (paper Eq. (key_merge); 0.25 in the paper); ``None``
             (default) takes it from the schedule by kept fraction
-            (:data:`~arckv_press.api.RATIO_SCHEDULE`).
+            (:data:`~arckv_press.config.RATIO_SCHEDULE`).
         selector: anchor selector: ``"indexer"`` (learned value-aware indexer, method ``arckv``),
             ``"ha"`` (highest attention, ``arckv-ha``) or ``"vi"`` (value influence, ``arckv-vi``);
             paper App. C.1.
@@ -348,7 +348,7 @@ class ARCKVPress(_CompactionPress):
             uses the checkpoint shipped for the model, and compaction raises a ValueError when
             none is shipped.
         min_head_fraction: share of its uniform budget every layer--KV head keeps before the rest
-            is allocated globally (see :class:`~arckv_press.api.CompactionConfig`; 0 = fully
+            is allocated globally (see :class:`~arckv_press.config.CompactionConfig`; 0 = fully
             global, 1 = uniform budgets).
         Other fields: see ``_CompactionPress`` (tokenizer, query_budget, context_fraction, seed,
         progress, use_chat_template, config_options) and ``last_report``.

@@ -46,17 +46,17 @@ def indexer_id(name: str, model_id: str, indexer: Any = None) -> str:
 
 
 def method_config_id(name: str, ratio: float, **options: Any) -> str:
-    """:func:`arckv_press.api.config_id` of method ``name``'s compaction options (press defaults plus
+    """:func:`arckv_press.config.config_id` of method ``name``'s compaction options (press defaults plus
     ``options``) at kept fraction ``ratio``; ``""`` for kvpress presses and ``none``.
 
     Results store it next to :func:`indexer_id`, so that after a default changes (say
     ``min_head_fraction``) resumed runs redo the affected methods instead of mixing configurations.
     It depends on ``ratio`` only where a default does (the ``lambda_m`` / ``anchor_search`` schedule,
-    :data:`arckv_press.api.RATIO_SCHEDULE`).
+    :data:`arckv_press.config.RATIO_SCHEDULE`).
     """
     if not method(name).ours:
         return ""
-    from arckv_press.api import config_id
+    from arckv_press.config import config_id
 
     return config_id(make_press(name, ratio, **options).compaction_config())
 
@@ -95,7 +95,7 @@ def make_press(name: str, ratio: float, **options: Any) -> BasePress | None:
 
 
 def press_options(name: str, config_options: dict[str, Any] | None, indexer: Any = None) -> dict[str, Any]:
-    """The press arguments of method ``name`` that set the :class:`~arckv_press.api.CompactionConfig`
+    """The press arguments of method ``name`` that set the :class:`~arckv_press.config.CompactionConfig`
     fields ``config_options`` (the scripts' ``--option``): a field the press takes as an argument
     (e.g. ``lambda_m``) is passed as one, the others in its ``config_options``; plus
     ``indexer=indexer`` (a checkpoint path, the scripts' ``--indexer``) for a method that uses the

@@ -225,7 +225,7 @@ def parse_length(text: str) -> int:
 
 
 def parse_option(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with VALUE a Python literal (``4.0``, ``None``, ``'separate'``) or a bare word."""
+    """``KEY=VALUE`` with VALUE a Python literal (``4.0``, ``None``, ``'fixed'``) or a bare word."""
     import argparse
     import ast
 
@@ -239,7 +239,7 @@ def parse_option(text: str) -> tuple[str, object]:
 
 
 def add_option_argument(parser) -> None:
-    """``--option KEY=VALUE`` (repeatable): a :class:`~arckv_press.api.CompactionConfig` field for the
+    """``--option KEY=VALUE`` (repeatable): a :class:`~arckv_press.config.CompactionConfig` field for the
     ARC-KV / Attention Matching methods (:func:`parse_option` values), collected as the dict
     ``args.options``; :func:`arckv_press.registry.press_options` turns it into press arguments."""
     import argparse

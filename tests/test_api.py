@@ -17,7 +17,8 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from arckv_press.methods import COMPACTION_METHODS
-from arckv_press.api import CompactionConfig, _reference_positions, compact, compact_prefilled
+from arckv_press.config import CompactionConfig
+from arckv_press.api import reference_positions, compact, compact_prefilled
 from arckv_press.cache import CompactCache, CompactLayer
 from arckv_press.capture import framing_for, prefill, repeat_prefill
 from arckv_press.compaction.fit import FitConfig, compact_attention, full_attention, fit_beta, fit_values
@@ -152,11 +153,12 @@ def test_every_method_quarter_ratio(tiny_model, tiny_tokenizer, family):
 
 
 def test_api_feeds_compact_layer_the_captured_queries(tiny_model, tiny_tokenizer):
-    """The compacted layer equals ``compact_layer`` on queries captured and grouped here."""
+    """Attention Matching: the compacted layer equals ``compact_layer`` on queries captured and
+    grouped here."""
     model = tiny_model("qwen3", num_layers=2)
     tok = tiny_tokenizer()
     text = make_text(60, seed=3)
-    config = CompactionConfig(method="arckv-ha", ratio=0.25, query_budget=40, seed=5, score_queries="budget", allocation="fixed")
+    config = CompactionConfig(method="am-ha", ratio=0.25, query_budget=40, seed=5)
     layout = describe_attention_layout(model)
     with torch.no_grad():
         ids, _, P = kvpress_ids(tok, text, "?")
@@ -165,15 +167,14 @@ def test_api_feeds_compact_layer_the_captured_queries(tiny_model, tiny_tokenizer
         prefill(model, ids, dyn)
         K = [l.keys[0, :, P:].clone() for l in dyn.layers]
         V = [l.values[0, :, P:].clone() for l in dyn.layers]
-        positions, _ = _reference_positions(T, layout.group_size, config)
+        positions, _ = reference_positions(T, layout.group_size, config)
         assert positions.numel() == 20
         store = repeat_prefill(model, tok, dyn, ids[:, P:], framing_for(tok).suffix_ids, [0, 1], positions)
-        cache = compact(model, tok, text, config.method, config.ratio, query_budget=40, seed=5,
-                        score_queries="budget", allocation="fixed")
+        cache = compact(model, tok, text, config.method, config.ratio, query_budget=40, seed=5)
     budgets = torch.full((2,), math.floor(0.25 * T))
     for i, layer in enumerate(cache.compact_layers):
         Q = group_queries_by_kv_head(store.layer(i)[1][None], 2)
-        res = compact_layer(K[i], V[i], Q, budgets, layout.scaling, LayerMethod("arckv-ha"))
+        res = compact_layer(K[i], V[i], Q, budgets, layout.scaling, LayerMethod("am-ha"))
         torch.testing.assert_close(layer.ck, res.C_k[res.valid], atol=1e-6, rtol=0)
         torch.testing.assert_close(layer.beta, res.beta[res.valid], atol=1e-5, rtol=0)
         torch.testing.assert_close(layer.cv, res.C_v[res.valid], atol=1e-5, rtol=0)
@@ -196,73 +197,11 @@ def _three_layer_reference(tiny_model, tiny_tokenizer):
     return model, tok, text, describe_attention_layout(model), T, K, V, store
 
 
-def test_separate_pipeline_scores_all_positions_and_allocates_globally(tiny_model, tiny_tokenizer):
-    """The separate pipeline (``pipeline="separate"``, no per-head cap, float64 products: the
-    release before the fused pipeline) against a brute-force reference: HA
-    scores (RMS of per-row softmax over the document) from the repeat queries of *every* position,
-    one global top-k over all layers and heads (each head keeps its best position first), and the
-    fits on the ``query_budget`` rows plus each anchor's witness: the captured row with the largest
-    attention probability on it (brute-force argmax here); ``fit_witnesses=False`` fits on the
-    budget rows only."""
-    model, tok, text, layout, T, K, V, store = _three_layer_reference(tiny_model, tiny_tokenizer)
-    H, G = layout.num_kv_heads, layout.group_size
-    config = CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3)
-    with torch.no_grad():
-        # the separate pipeline with the options of the release before the fused one
-        before = dict(pipeline="separate", max_head_multiple=None, fit=FitConfig(gram_dtype="float64"), fit_scope="all")
-        cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3, **before)
-        plain = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3, fit_witnesses=False, **before)
-    budget_pos, _ = _reference_positions(T, G, config)
-    scores = []
-    for i in range(3):
-        q = store.layer(i)[1]  # [Hq, T, D], all positions
-        Q = group_queries_by_kv_head(q[None], H).double()
-        probs = torch.softmax(Q @ K[i].double().transpose(1, 2) * layout.scaling, dim=-1)
-        scores.append(probs.pow(2).mean(dim=1).sqrt())
-    # brute-force global allocation: every (layer, head, position) ranked together
-    total, budgets = 3 * H * math.floor(0.2 * T), torch.zeros(3, H, dtype=torch.long)
-    items = []
-    for i in range(3):
-        for h in range(H):
-            best = max(range(T), key=lambda j: (float(scores[i][h, j]), -j))
-            budgets[i, h] += 1
-            items += [(-float(scores[i][h, j]), i, h, j) for j in range(T) if j != best]
-    for _, i, h, _ in sorted(items)[: total - 3 * H]:
-        budgets[i, h] += 1
-    assert len({tuple(b.tolist()) for b in budgets}) > 1 or len(set(budgets.flatten().tolist())) > 1
-    assert [layer.lengths.tolist() for layer in cache.compact_layers] == budgets.tolist()
-    n_fit = 0
-    for i, (layer, plain_layer) in enumerate(zip(cache.compact_layers, plain.compact_layers)):
-        Q_all = group_queries_by_kv_head(store.layer(i)[1][None], H)
-        probs = torch.softmax(Q_all.double() @ K[i].double().transpose(1, 2) * layout.scaling, dim=-1)
-        method = LayerMethod("arckv-ha", fit_witnesses=False, fit=FitConfig(gram_dtype="float64"), fit_scope="all")
-        Q_budget = group_queries_by_kv_head(store.layer(i)[1][None, :, budget_pos], H)
-        res = compact_layer(K[i], V[i], Q_budget, budgets[i], layout.scaling, method, scores=scores[i].float())
-        torch.testing.assert_close(plain_layer.ck, res.C_k[res.valid], atol=1e-5, rtol=0)
-        torch.testing.assert_close(plain_layer.cv, res.C_v[res.valid], atol=1e-4, rtol=0)
-        witness = set()
-        for h in range(H):
-            for j in res.anchors[h][res.valid[h]].tolist():
-                column = probs[h, :, j].tolist()
-                witness.add(column.index(max(column)) % T)  # first row with the largest probability
-        fit_pos = sorted(set(budget_pos.tolist()) | witness)
-        assert len(fit_pos) > len(budget_pos)  # the witnesses add rows the budget did not have
-        n_fit = max(n_fit, len(fit_pos))
-        Q_fit = group_queries_by_kv_head(store.layer(i)[1][None, :, fit_pos], H)
-        res = compact_layer(K[i], V[i], Q_fit, budgets[i], layout.scaling, method, scores=scores[i].float())
-        torch.testing.assert_close(layer.ck, res.C_k[res.valid], atol=1e-5, rtol=0)
-        torch.testing.assert_close(layer.beta, res.beta[res.valid], atol=1e-4, rtol=0)
-        torch.testing.assert_close(layer.cv, res.C_v[res.valid], atol=1e-4, rtol=0)
-    assert plain.report.reference_rows == G * (40 // G)  # without witnesses: the budget rows only
-    assert cache.report.reference_rows == G * n_fit  # the largest over the layers
-
-
 def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
     """The default fused pipeline against a brute-force reference from the separately captured
     queries: HA scores from every position, the global allocation (floor and cap), and per KV head
     the fits on the budget rows plus its own anchors' witness rows (argmax of the attention
-    probability; ties to the lowest position, then query head), with targets recomputed from K;
-    a head keeping more than ``verbatim_fraction`` of the positions keeps its anchors as they are."""
+    probability; ties to the lowest position, then query head), with targets recomputed from K."""
     from arckv_press.compaction.merge import merge_keys
     from arckv_press.compaction.select import global_budgets
 
@@ -271,28 +210,21 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
     config = CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3)
     with torch.no_grad():
         cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3)
-    assert config.pipeline == "fused" and config.merge_rows >= 40  # merging on all budget rows here
-    budget_pos, _ = _reference_positions(T, G, config)
+    assert config.merge_rows >= 40  # merging on all budget rows here
+    budget_pos, _ = reference_positions(T, G, config)
     base = [g * T + p for g in range(G) for p in budget_pos.tolist()]
     Qs = [group_queries_by_kv_head(store.layer(i)[1][None], H).double() for i in range(3)]
     probs = [torch.softmax(Qs[i] @ K[i].double().transpose(1, 2) * layout.scaling, dim=-1) for i in range(3)]
     scores = torch.stack([p.pow(2).mean(dim=1).sqrt() for p in probs]).float()
-    budgets = global_budgets(scores, 0.2, min_fraction=config.min_head_fraction, max_multiple=config.max_head_multiple)
+    budgets = global_budgets(scores, 0.2, min_fraction=config.min_head_fraction)
     assert [layer.lengths.tolist() for layer in cache.compact_layers] == budgets.tolist()
-    n_fit = verbatim = n_alone = 0
+    n_fit = n_alone = 0
     assert config.fit_scope == "merged"
     for i, layer in enumerate(cache.compact_layers):
         offset = 0
         for h in range(H):
             t = int(budgets[i, h])
             anchors = torch.sort(torch.sort(scores[i, h], descending=True, stable=True).indices[:t]).values
-            if t > (config.verbatim_fraction or 1.0) * T:  # keeps nearly everything: anchors as they are
-                verbatim += 1
-                torch.testing.assert_close(layer.ck[offset:offset + t], K[i][h, anchors])
-                torch.testing.assert_close(layer.cv[offset:offset + t], V[i][h, anchors])
-                assert (layer.beta[offset:offset + t] == 0).all()
-                offset += t
-                continue
             witness = []
             for j in anchors.tolist():
                 col = probs[i][h, :, j]
@@ -317,7 +249,6 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
             torch.testing.assert_close(got, ref, atol=2e-3, rtol=0)
             offset += t
     assert cache.report.reference_rows == n_fit
-    assert verbatim == 0  # the default merges and fits every head
     assert n_alone > 0  # some anchors absorbed no other position and kept their own term
 
 
@@ -342,17 +273,15 @@ def test_budget_weights_give_per_head_budgets(tiny_model, tiny_tokenizer, tmp_pa
 
 
 def test_context_fraction_uses_context_queries(tiny_model, tiny_tokenizer):
-    """context_fraction = 1: reference rows come from the context prefill only (no repeat)."""
+    """Attention Matching's context_fraction = 1: reference rows come from the context prefill only
+    (no repeat)."""
     model = tiny_model("llama", num_layers=2)
     tok = tiny_tokenizer()
     text = make_text(40, seed=4)
     with torch.no_grad():
-        cache = compact(model, tok, text, "arckv-ha", 0.5, context_fraction=1.0, query_budget=30)
+        cache = compact(model, tok, text, "am-ha", 0.5, context_fraction=1.0, query_budget=30)
     assert "repeat_prefill" not in cache.report.timings
-    assert 30 < cache.report.reference_rows <= 2 * 40  # 15 budget positions + the anchors' witnesses
-    with torch.no_grad():
-        plain = compact(model, tok, text, "arckv-ha", 0.5, context_fraction=1.0, query_budget=30, fit_witnesses=False)
-    assert plain.report.reference_rows == 30
+    assert cache.report.reference_rows == 30  # 15 context positions, 2 query heads each
     assert cache.realised_ratio() == pytest.approx(0.5)
 
 
@@ -378,8 +307,8 @@ def test_fidelity_default_model(default_model_fp32):
     text = tok.decode(doc)
     ids = torch.tensor([framing.prefix_ids + tok.encode(text, add_special_tokens=False)])
     P, T = len(framing.prefix_ids), ids.shape[1] - len(framing.prefix_ids)
-    config = CompactionConfig(method="arckv-ha", ratio=0.3, query_budget=G * 400, score_queries="budget", allocation="fixed")
-    fit_pos, _ = _reference_positions(T, G, config)
+    config = CompactionConfig(method="am-ha", ratio=0.3, query_budget=G * 400)
+    fit_pos, _ = reference_positions(T, G, config)
     held = torch.tensor(sorted(set(range(T)) - set(fit_pos.tolist())))[::2]  # ~100 held-out positions
     layers = list(layout.full_attention_layers)[1::4]
 
@@ -404,7 +333,7 @@ def test_fidelity_default_model(default_model_fp32):
         q = store.layer(l)[1]  # [Hq, n_fit + n_held, D]
         Q_fit = group_queries_by_kv_head(q[None, :, fit_rows], H)
         Q_held = group_queries_by_kv_head(q[None, :, held_rows], H)
-        res = compact_layer(K[l], V[l], Q_fit, torch.full((H,), t), layout.scaling, LayerMethod("arckv-ha"))
+        res = compact_layer(K[l], V[l], Q_fit, torch.full((H,), t), layout.scaling, LayerMethod("am-ha"))
         layer = cache.layers[l]
         assert layer.lengths.tolist() == [t] * H
         torch.testing.assert_close(layer.ck, res.C_k[res.valid], atol=1e-4, rtol=1e-4)
@@ -448,10 +377,10 @@ def test_bad_input(tiny_model, tiny_tokenizer):
         CompactionConfig(method="arckv-ha", lambda_m=2.0)
     with pytest.raises(ValueError, match="allocation"):
         CompactionConfig(method="arckv-ha", allocation="uniform")
-    with pytest.raises(ValueError, match="score_queries"):
-        CompactionConfig(method="arckv-ha", score_queries="some")
-    with pytest.raises(ValueError, match="on_policy=True needs allocation='fixed'"):
-        CompactionConfig(method="arckv-ha", on_policy=True)
+    for am_only in (dict(on_policy=True), dict(context_fraction=0.5)):
+        with pytest.raises(ValueError, match="Attention Matching options"):
+            CompactionConfig(method="arckv-ha", **am_only)
+        CompactionConfig(method="am-ha", **am_only)
     with pytest.raises(ValueError, match="pooling"):
         CompactionConfig(method="arckv-ha", pooling="median")
     with pytest.raises(ValueError, match="min_length"):
@@ -564,9 +493,7 @@ def test_min_head_fraction_floors_global_budgets(tiny_model, tiny_tokenizer):
         compact(model, tok, text, "arckv-ha", 0.2, min_head_fraction=1.5)
 
 
-@pytest.mark.parametrize("bad", [dict(pipeline="fast"), dict(merge_rows=0), dict(merge_rows=2.5),
-                                 dict(max_head_multiple=0.5), dict(max_head_multiple=float("nan")),
-                                 dict(verbatim_fraction=1.5), dict(indexer_rows="some")])
+@pytest.mark.parametrize("bad", [dict(merge_rows=0), dict(merge_rows=2.5), dict(score_rows=0), dict(indexer_rows="some")])
 def test_fused_pipeline_options_are_validated(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         CompactionConfig(method="arckv-ha", **bad)
@@ -578,7 +505,7 @@ def test_config_id_covers_the_options_that_shape_a_result():
     """``config_id`` changes with every option that changes a compaction's result and with nothing
     else: not the kept fraction or progress bars, and for Attention Matching not the ARC-KV-only
     options it ignores. Budget weights count by content. ``method_config_id`` is the press's id."""
-    from arckv_press.api import config_id
+    from arckv_press.config import config_id
     from arckv_press.compaction.fit import FitConfig
     from arckv_press.registry import method_config_id
 
@@ -593,33 +520,23 @@ def test_config_id_covers_the_options_that_shape_a_result():
     low = cid(method="arckv-ha", ratio=0.02)
     assert low == cid(method="arckv-ha", ratio=0.01) == cid(method="arckv-ha", anchor_search="omp") != base
     assert cid(method="arckv-ha", ratio=0.01, lambda_m=1.0) == cid(method="arckv-ha", lambda_m=1.0, anchor_search="omp") != low
-    # the stored rows of the schedule before (top-t anchors, lambda_m = 1 below keep 5%) keep their id
-    assert cid(method="arckv-ha", ratio=0.01, lambda_m=1.0, anchor_search="scores") == "2085e7327324"
     for change in (dict(min_head_fraction=0.25), dict(lambda_m=0.0), dict(fit_witnesses=False), dict(seed=1),
                    dict(query_budget=512), dict(allocation="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
-                   dict(budget_weights=torch.ones(3, 2)), dict(pipeline="separate"), dict(merge_rows=None),
-                   dict(max_head_multiple=4.0), dict(verbatim_fraction=0.5), dict(fit=FitConfig(gram_dtype="float64")),
-                   dict(fit_scope="all")):
+                   dict(budget_weights=torch.ones(3, 2)), dict(merge_rows=None), dict(near_rows=True),
+                   dict(fit=FitConfig(gram_dtype="float64")), dict(fit_scope="all")):
         assert cid(method="arckv-ha", **change) != base, change
     assert cid(method="arckv-vi") != base
     # indexer_rows shapes only the learned indexer's results
     assert cid(method="arckv-ha", indexer_rows="budget") == base
     assert cid(method="arckv", indexer_rows="budget") != cid(method="arckv")
-    # score_shrink only under indexer_rows="corrected", whose id it entered with the ratio estimate
-    corrected = cid(method="arckv", indexer_rows="corrected")
-    assert corrected == cid(method="arckv")  # the default
-    # the former default keeps its id (its stored rows are the option's), the additive estimate's is not reused
-    assert cid(method="arckv", indexer_rows="all", score_shrink=0.5) == cid(method="arckv", indexer_rows="all") == "30b715fcd445"
-    assert cid(method="arckv", score_shrink=0.5) != corrected != "30d356828b2a"
-    for bad in (-1.0, float("nan"), True, "0.1"):
-        with pytest.raises(ValueError, match="score_shrink"):
-            CompactionConfig(method="arckv", score_shrink=bad)
+    assert cid(method="arckv", indexer_rows="corrected") == cid(method="arckv") != cid(method="arckv", score_rows=256)
+    assert cid(method="arckv", indexer_rows="all") != cid(method="arckv")
     assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) == cid(method="arckv-ha", budget_weights=torch.ones(3, 2))
     assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) != cid(method="arckv-ha", budget_weights=2 * torch.ones(3, 2))
     am = cid(method="am-omp")
     assert am == cid(method="am-omp", min_head_fraction=0.25, lambda_m=0.0, fit_witnesses=False, allocation="fixed",
-                     pipeline="separate", merge_rows=7, max_head_multiple=4.0, verbatim_fraction=0.5,
-                     fit=FitConfig(gram_dtype="float64"), fit_scope="all")
+                     merge_rows=7, near_rows=True, fit=FitConfig(gram_dtype="float64"), fit_scope="all")
+    assert am != cid(method="am-omp", context_fraction=0.5) != cid(method="am-omp", on_policy=True)
     # the id of the AM defaults is the one stored with the AM results before the fused pipeline existed
     assert am == "eec358ad3241" and cid(method="am-omp-fast") == "47c5d1e0b5cc"
     assert am != cid(method="am-omp", query_budget=512) and am != cid(method="am-omp-fast")
@@ -636,7 +553,7 @@ def test_ratio_schedule_gives_the_defaults_and_explicit_options_win():
     """``lambda_m=None`` / ``anchor_search=None`` (defaults) take RATIO_SCHEDULE's step at the kept
     fraction: the step boundaries are inclusive, every kept fraction in (0, 1] is covered, and the
     layer method and the press both see the scheduled values; given options override them."""
-    from arckv_press.api import RATIO_SCHEDULE, ratio_defaults
+    from arckv_press.config import RATIO_SCHEDULE, ratio_defaults
     from arckv_press.presses import ARCKVPress
 
     lowest = [step.lowest for step in RATIO_SCHEDULE]
@@ -768,7 +685,7 @@ def test_omp_anchor_search_takes_the_am_search_on_the_budget_rows(tiny_model, ti
     then merged and fitted as usual; the default (top-t of the scores) gives another cache, and the
     option has its own config id while the default's id is unchanged."""
     import arckv_press.compaction.layer as layer_mod
-    from arckv_press.api import config_id
+    from arckv_press.config import config_id
     from arckv_press.compaction.omp import AM_OMP_FAST
 
     model, tok, text, layout, T, K, V, store = _three_layer_reference(tiny_model, tiny_tokenizer)
@@ -785,7 +702,7 @@ def test_omp_anchor_search_takes_the_am_search_on_the_budget_rows(tiny_model, ti
         cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3, anchor_search="omp-fast")
         default = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3)
     config = CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3)
-    budget_pos, _ = _reference_positions(T, G, config)
+    budget_pos, _ = reference_positions(T, G, config)
     assert len(calls) == 3
     for (n_rows, budgets, valid, cfg), layer in zip(calls, cache.compact_layers):
         assert n_rows == G * budget_pos.numel() and cfg is AM_OMP_FAST

@@ -63,7 +63,7 @@ def test_the_checker_resolves_relative_and_local_imports(tmp_path):
 # imports nothing at run time and may be imported from anywhere.
 LAYERS = (
     ("compaction", "attention", "methods"),
-    ("models", "cache", "capture", "framing", "indexer"),
+    ("models", "cache", "capture", "config", "framing", "indexer"),
     ("api", "generation", "haystack"),
     ("presses", "registry", "lm_eval", "cli", "tasks"),
     ("fidelity", "probes", "runinfo", "bench"),

@@ -68,7 +68,7 @@ def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys
     assert_ratio_of_rounded(float(line.split("/ prefill ")[1].split()[0]), plain, pre, csv_decimals=4)
     assert 0 < plain < sec[("arckv-ha", "repeat_prefill")] * 3  # same forwards, no statistics
     # and the floor of an exact repeat-prefill, from the profiled prefill's attention share
-    from arckv_press.api import CompactionConfig
+    from arckv_press.config import CompactionConfig
     from arckv_press.bench.bench_compaction import document_ids
     from arckv_press.bench.repeat_floor import repeat_floor
     from arckv_press.capture import framing_for, repeat_chunks

@@ -48,7 +48,7 @@ def test_compact_then_ask_answers_as_the_api(tiny_model, tmp_path, capsys):
 def test_compact_options_reach_the_compaction_and_its_saved_record(tiny_model, tmp_path, capsys):
     """``--min-head-fraction`` / ``--lambda-m`` / ``--anchor-search`` change the compaction (uniform
     budgets at 1.0, as ``compact()`` gives them) and the saved cache records the options' ``config_id``."""
-    from arckv_press.api import CompactionConfig, config_id
+    from arckv_press.config import CompactionConfig, config_id
     from arckv_press.cache import CompactCache
 
     folder = _tiny_folder(tiny_model, tmp_path / "model", seed=0)
@@ -101,7 +101,7 @@ def test_bad_ratio_is_a_clear_error(tiny_model, tmp_path, capsys):
 
 def test_compact_help_states_the_configs_defaults():
     """The help text of ``arckv compact`` quotes :class:`CompactionConfig`'s defaults (not copies)."""
-    from arckv_press.api import CompactionConfig
+    from arckv_press.config import CompactionConfig
 
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["compact"]
     helps = {a.dest: a.help for a in sub._actions}

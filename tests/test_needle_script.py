@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import load_script
 
-from arckv_press.api import CompactionConfig, config_id
+from arckv_press.config import CompactionConfig, config_id
 from arckv_press.models import DEFAULT_MODEL_ID
 from arckv_press.registry import indexer_id, method_config_id
 from arckv_press.runinfo import CurrentIds

@@ -23,7 +23,8 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, pipeline
 
 import arckv_press.presses as presses_mod
-from arckv_press.api import CompactionConfig, compact_prefilled
+from arckv_press.config import CompactionConfig
+from arckv_press.api import compact_prefilled
 from arckv_press.attention import disable_compact_attention, enable_compact_attention
 from arckv_press.cache import CompactLayer
 from arckv_press.capture import framing_for
@@ -267,22 +268,22 @@ def test_press_creates_the_cache_when_none_is_passed(tiny_model):
 
 
 def test_context_fraction_capture_matches_library(tiny_model):
-    """Queries captured during the user's prefill = the library's own capturing prefill."""
+    """Attention Matching's context_fraction: queries captured during the user's prefill = the
+    library's own capturing prefill."""
     model, tok = tiny_model("llama", num_layers=2, initializer_range=TINY_INIT), _word_tokenizer()
     framing = framing_for(tok)
     ids = torch.tensor([framing.prefix_ids + tok.encode(_tiny_context(80, seed=5), add_special_tokens=False)])
     opts = dict(ratio=0.25, query_budget=64, context_fraction=0.5, seed=3)
-    press = ARCKVPress(selector="ha", tokenizer=tok, **opts)
+    press = AttentionMatchingPress(variant="ha", tokenizer=tok, **opts)
     cache, ref = DynamicCache(config=model.config), DynamicCache(config=model.config)
     with torch.inference_mode():
         with press(model):
             model.model(input_ids=ids, past_key_values=cache)
-        compact_prefilled(model, tok, ref, ids, len(framing.prefix_ids), CompactionConfig(method="arckv-ha", **opts))
+        compact_prefilled(model, tok, ref, ids, len(framing.prefix_ids), CompactionConfig(method="am-ha", **opts))
         base = DynamicCache(config=model.config)  # same without context queries: must differ
-        with ARCKVPress(selector="ha", tokenizer=tok, **{**opts, "context_fraction": 0.0})(model):
+        with AttentionMatchingPress(variant="ha", tokenizer=tok, **{**opts, "context_fraction": 0.0})(model):
             model.model(input_ids=ids, past_key_values=base)
-    # query_budget // G positions x G query heads, plus the anchors' witness rows
-    assert 64 < press.last_report.reference_rows <= 2 * 80
+    assert press.last_report.reference_rows == 64  # query_budget // G positions x G query heads
     for a, b, c in zip(cache.layers, ref.layers, base.layers):
         assert torch.equal(a.lengths, b.lengths)
         assert torch.equal(a.ck, b.ck) and torch.equal(a.beta, b.beta) and torch.equal(a.cv, b.cv)
@@ -316,7 +317,7 @@ def test_one_method_definition_round_trips_through_presses_configs_and_layers():
     """Every name of arckv_press.methods builds a press of its own press class whose ``method`` is that
     name again, with the selector / variant of the definition; the compaction config and the layer
     method accept exactly ARC-KV and Attention Matching names; lookups fail with the valid names."""
-    from arckv_press.api import CompactionConfig
+    from arckv_press.config import CompactionConfig
     from arckv_press.compaction.layer import LayerMethod
     from arckv_press.methods import COMPACTION_METHODS, Method, am_method, arckv_method, method
     from arckv_press.presses import hybrid_press_class

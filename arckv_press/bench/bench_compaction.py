@@ -14,7 +14,7 @@ Attention) are timed end to end (``press_total``: the prefill inside ``with pres
 the compression); ``beyond_prefill`` subtracts the median prefill. Rows are written after each
 method, so an interrupted run keeps what it measured; ``--summary`` prints the summary and ratios
 of the last run from the CSV. ``--option KEY=VALUE`` times a ``CompactionConfig`` option
-(e.g. ``max_head_multiple=4.0``); its rows carry that option's ``config_id``.
+(e.g. ``min_head_fraction=1.0``); its rows carry that option's ``config_id``.
 
 Printed from the same run, as ratios: ARC-KV's
 post-repeat time (everything after the repeat-prefill) / one prefill, the repeat-prefill / one
@@ -100,8 +100,9 @@ def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float
                    options: dict | None = None) -> tuple[dict[str, float], int]:
     """One ``compact_prefilled`` on a copy of the prefilled cache: its report's stage timings and
     the reference rows per KV head that merging and the fits used (max over layers). ``options``:
-    further :class:`~arckv_press.api.CompactionConfig` fields (``--option``)."""
-    from arckv_press.api import CompactionConfig, compact_prefilled
+    further :class:`~arckv_press.config.CompactionConfig` fields (``--option``)."""
+    from arckv_press.config import CompactionConfig
+    from arckv_press.api import compact_prefilled
     from arckv_press.attention import disable_compact_attention
 
     work = clone_cache(model, cache)
@@ -131,7 +132,7 @@ def run_press(model, name: str, ratio: float, ids) -> float:
 
 
 def model_section(args, meta: dict) -> list[dict]:
-    from arckv_press.api import CompactionConfig
+    from arckv_press.config import CompactionConfig
     from arckv_press.haystack import load_haystack
     from arckv_press.models import load_model, model_id
 
@@ -216,7 +217,7 @@ def floor_stages(model, tok, ids: torch.Tensor, prefix_len: int, prefill_seconds
     ``prefill_profiled`` (its wall seconds) and ``repeat_floor``, the seconds an exact repeat-prefill
     of the default chunks needs at least (:func:`~arckv_press.bench.repeat_floor.repeat_floor`, with the
     share of attention of the profiled prefill applied to the median prefill ``prefill_seconds``)."""
-    from arckv_press.api import CompactionConfig
+    from arckv_press.config import CompactionConfig
     from arckv_press.capture import framing_for, prefill, repeat_chunks
 
     from .repeat_floor import attention_seconds, repeat_floor
@@ -232,7 +233,7 @@ def floor_stages(model, tok, ids: torch.Tensor, prefix_len: int, prefill_seconds
 def plain_repeat(model, tok, cache, ids: torch.Tensor, prefix_len: int) -> None:
     """The default chunked repeat-prefill with the model's own attention and no statistics: every
     chunk runs (one captured row per chunk, in one layer), nothing else is gathered."""
-    from arckv_press.api import CompactionConfig
+    from arckv_press.config import CompactionConfig
     from arckv_press.capture import framing_for, repeat_prefill
 
     chunk = CompactionConfig().repeat_chunk
@@ -366,7 +367,8 @@ def _fused_layer(K, V, Q4, budgets, scaling, method, base_rows, merge_rows) -> t
 
 
 def synthetic_section(args, meta: dict) -> list[dict]:
-    from arckv_press.api import CompactionConfig, indexer_positions
+    from arckv_press.config import SCORE_SHRINK, CompactionConfig
+    from arckv_press.api import indexer_positions
     from arckv_press.compaction.omp import am_compact
     from arckv_press.compaction.reference import grouped_rows, subsample_rows
 
@@ -424,7 +426,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                 Qs = Q4.reshape(H, -1, D)[:, score]
                 X = torch.randn(Qs.shape[1], indexer.config.d_x, generator=gen)
                 idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Qs, K, V, budgets, scaling, full_base,
-                                                 corrected.score_shrink, Qs.shape[1] / (G * T)), args.repeats, warmup=0)
+                                                 SCORE_SHRINK, Qs.shape[1] / (G * T)), args.repeats, warmup=0)
                 rows.append(timing_row("arckv", ratio, T, "selection", idx_sel))
             omp = None
             if not omp_stopped:

@@ -18,7 +18,7 @@ sources give byte-identical CSVs and docs (``tests/test_make_leaderboard.py`` re
 
 Columns: ``indexer`` (the learned indexer checkpoint behind an ``arckv`` row,
 ``arckv_press.indexer.checkpoint_id``) and ``config_id`` (its compaction options,
-``arckv_press.api.config_id``), ``context_tokens`` (mean tokens of the compacted documents, prefix
+``arckv_press.config.config_id``), ``context_tokens`` (mean tokens of the compacted documents, prefix
 included), ``example_scores`` (JSON ``{example id: score}``), ``source`` (the file the row was read
 from, relative to the checkout).
 """

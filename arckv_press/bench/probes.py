@@ -3,13 +3,13 @@
     python scripts/probes.py --quick
     python scripts/probes.py --configs arckv-ha arckv-ha:ctx=0.5 arckv-ha:pool=max snapkv kvzip --ratios 0.2 0.1
 
-A config is ``METHOD[:key=value,...]`` with keys ``ctx`` (share of reference queries from the
-context's own prefill: 0 = repeat-prefill only, the paper's default), ``pool`` (rms, mean,
-max), ``alloc`` (global, fixed), ``floor`` (min_head_fraction: share of the uniform budget every head keeps under global allocation; default 0.5), ``score`` (all, budget), ``lam`` (lambda_m, key merging), ``wit`` (1: the fits also use each
+A config is ``METHOD[:key=value,...]`` with keys ``ctx`` (Attention Matching only: share of reference
+queries from the context's own prefill: 0 = repeat-prefill only, the paper's default), ``pool`` (rms, mean,
+max), ``alloc`` (global, fixed), ``floor`` (min_head_fraction: share of the uniform budget every head keeps under global allocation; default 0.5), ``lam`` (lambda_m, key merging), ``wit`` (1: the fits also use each
 anchor's witness query, the default; 0: the budget rows only), ``qb`` (query_budget rows per KV head),
 and the value fit: ``values`` (fit: paper Eq. (value_lstsq);
 anchor: keep the anchors' own values), ``prior`` (zero, anchor) and ``ridge`` (relative lambda_v);
-``alloc=fixed,score=budget`` is the paper's exact setting. Results are appended to ``leaderboards/probes.csv`` (resumable: a finished config, ratio and
+``alloc=fixed`` is the paper's allocation. Results are appended to ``leaderboards/probes.csv`` (resumable: a finished config, ratio and
 ``--dtype`` is skipped, unless it used another learned indexer checkpoint or other compaction
 options, e.g. after a default changed: columns ``indexer`` and ``config_id``,
 ``arckv_press.registry.result_ids``);
@@ -65,8 +65,6 @@ def parse_config(text: str) -> tuple[str, dict]:
             options.setdefault("config_options", {})["pooling"] = value
         elif key == "alloc":
             options.setdefault("config_options", {})["allocation"] = value
-        elif key == "score":
-            options.setdefault("config_options", {})["score_queries"] = value
         elif key == "lam":
             options["lambda_m"] = float(value)
         elif key == "floor":
@@ -79,7 +77,7 @@ def parse_config(text: str) -> tuple[str, dict]:
             fit[FIT_KEYS[key]] = float(value) if key == "ridge" else value
         else:
             raise ValueError(
-                f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, score=, lam=, floor=, wit=, qb=, values=, "
+                f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, lam=, floor=, wit=, qb=, values=, "
                 "prior=, ridge=)"
             )
     if fit:

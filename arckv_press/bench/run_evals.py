@@ -13,7 +13,7 @@ A run whose ``results.json`` exists is skipped; an interrupted run resumes from 
 cache (answered requests are not recomputed) and appends to its compaction records (a document
 compacted twice counts once, with its last record, in ``make_leaderboard.py``). Runs record the learned indexer
 checkpoint's id (``arckv``; ``arckv_run.indexer``, and ``indexer`` in each record) and the id of
-the compaction options (ARC-KV and AM; ``config_id``, :func:`arckv_press.api.config_id`); when
+the compaction options (ARC-KV and AM; ``config_id``, :func:`arckv_press.config.config_id`); when
 another checkpoint is shipped or a default changes, such a folder moves to
 ``archive/<out>_indexer_<old id>/`` or ``archive/<out>_config_<old id>/`` and the run starts afresh.
 ``scripts/make_leaderboard.py`` reads every ``<out>`` that ``leaderboards/sources.toml`` declares
@@ -27,7 +27,7 @@ another checkpoint is shipped or a default changes, such a folder moves to
     python scripts/run_evals.py --benchmarks ruler --methods arckv-ha --ratios 0.1 \
         --option merge_rows=256 --out leaderboards/studies/lm_eval_merge256           # a compaction option
 
-``--option KEY=VALUE`` sets a :class:`~arckv_press.api.CompactionConfig` field of the ARC-KV and
+``--option KEY=VALUE`` sets a :class:`~arckv_press.config.CompactionConfig` field of the ARC-KV and
 Attention Matching methods (as in the other scripts; it becomes ``press_KEY=VALUE`` in
 ``--model_args``); such runs go to their own ``--out``: a folder holding a run of the default
 options is refused, never moved away.

@@ -49,9 +49,6 @@ class LayerMethod:
         fit: beta / C_v fitting options.
         block: position block of the merge assignment (bounds memory; 256 keeps the ``[n, block]``
             profiles in the CPU caches).
-        verbatim_fraction: :func:`compact_layer_from_stats` only: a head keeping more than this
-            fraction of its positions keeps its anchors' keys and values, beta = 0, unmerged and
-            unfitted (``None``: none does).
         fit_scope: which anchors beta (Eq. (mass_fit)) and C_v (Eq. (value_lstsq)) are fitted for:
             ``"merged"`` (default): only anchors whose group (Eq. (anchor_assignment)) holds other
             positions; an anchor that absorbed none keeps its key, its value and beta = 0, exactly
@@ -78,7 +75,6 @@ class LayerMethod:
     fit: FitConfig = field(default_factory=FitConfig)
     block: int = 256
     fit_witnesses: bool = True
-    verbatim_fraction: float | None = None
     fit_scope: str = "merged"
     anchor_search: str = "scores"
 
@@ -87,9 +83,6 @@ class LayerMethod:
             raise ValueError(f"anchor_search must be one of {tuple(ANCHOR_SEARCHES)}, got {self.anchor_search!r}")
         if self.fit_scope not in FIT_SCOPES:
             raise ValueError(f"fit_scope must be one of {FIT_SCOPES}, got {self.fit_scope!r}")
-        if self.verbatim_fraction is not None and not (isinstance(self.verbatim_fraction, (int, float))
-                                                       and 0.0 < self.verbatim_fraction <= 1.0):
-            raise ValueError(f"verbatim_fraction must be in (0, 1] or None, got {self.verbatim_fraction!r}")
         lookup_method(self.name, ours=True)
         if not 0.0 <= self.lambda_m <= 1.0:
             raise ValueError(f"lambda_m must be in [0, 1], got {self.lambda_m}")
@@ -289,8 +282,7 @@ def compact_layer_from_stats(
     top-t of ``scores`` (default ``stats.scores``); each head fits beta (Eq. (mass_fit)) and C_v
     (Eq. (value_lstsq)) on ``base_rows`` plus its own anchors' witness rows
     (:func:`~.witness.head_fit_rows`), with the full-cache targets taken from ``stats``, so no
-    stage reads all of ``Q`` against all of ``K`` again. A head keeping more than
-    ``method.verbatim_fraction`` of the positions keeps its anchors unmerged and unfitted.
+    stage reads all of ``Q`` against all of ``K`` again.
     """
     if method.definition.family != "arckv":
         raise ValueError(f"compact_layer_from_stats is for ARC-KV methods, not {method.name!r}")
@@ -314,18 +306,12 @@ def compact_layer_from_stats(
     if method.fit_witnesses:
         with watch("fit_rows"):
             witnesses = block_witnesses(Q, K, idx, scaling, row_lse, stats.witness_pos, stats.block, stats.G)
-    # (a head over verbatim_fraction skips its witnesses below; finding them costs little)
     C_k, C_v = K.new_zeros(H, t_max, K.shape[2]), V.new_zeros(H, t_max, V.shape[2])
     beta = torch.zeros(H, t_max, dtype=torch.float32, device=K.device)
     w = torch.zeros(H, t_max, dtype=torch.float32, device=K.device)
     n_rows = 0
-    verbatim_limit = K.shape[1] * (method.verbatim_fraction if method.verbatim_fraction is not None else 1.0)
     for h in range(H):
         t_h = int(valid[h].sum())
-        if t_h > verbatim_limit:  # keeps nearly everything: the anchors as they are
-            sel = idx[h, :t_h]
-            C_k[h, :t_h], C_v[h, :t_h], w[h, :t_h] = K[h, sel], V[h, sel], 1.0
-            continue
         with watch("fit_rows"):
             rows = head_fit_rows(witnesses[h, :t_h], base_rows) if method.fit_witnesses else base_rows.to(K.device)
             n_rows = max(n_rows, rows.numel())

@@ -334,8 +334,7 @@ def per_head_budgets(
     return t.to(device)
 
 
-def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1, min_fraction: float = 0.0,
-                   max_multiple: float | None = None) -> torch.Tensor:
+def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1, min_fraction: float = 0.0) -> torch.Tensor:
     """Per layer--KV-head budgets ``[L, H]`` from one global top-k over all heads' scores.
 
     Context-adaptive alternative to the fixed weights of Eq. (per_head_budget) (the allocation
@@ -354,9 +353,6 @@ def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1, mi
         min_per_head: anchors every head keeps (1 <= min_per_head <= T).
         min_fraction: raises that floor to ``floor(min_fraction * ratio * T)`` (in [0, 1]; 1 gives
             every head the uniform budget, 0 leaves ``min_per_head``).
-        max_multiple: caps every head at ``floor(max_multiple * ratio * T)`` anchors (>= 1; at least
-            the floor; ``None``: no cap). Positions a capped head would have taken go to the next
-            best positions of the other heads, so the total is unchanged while any head has room.
     """
     check_float(scores, "scores", 3)
     ratio = check_ratio(ratio)
@@ -366,11 +362,8 @@ def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1, mi
         raise ValueError(f"min_per_head must be in [1, T={T}], got {min_per_head}")
     if not 0.0 <= min_fraction <= 1.0:
         raise ValueError(f"min_fraction must be in [0, 1], got {min_fraction}")
-    if max_multiple is not None and not (math.isfinite(max_multiple) and max_multiple >= 1.0):
-        raise ValueError(f"max_multiple must be >= 1 (or None), got {max_multiple}")
     min_per_head = min(T, max(min_per_head, math.floor(min_fraction * ratio * T + _BUDGET_EPS)))
     per_head = max(min_per_head, math.floor(ratio * T + _BUDGET_EPS))
-    cap = T if max_multiple is None else min(T, max(per_head, math.floor(max_multiple * ratio * T + _BUDGET_EPS)))
     total = L * H * per_head
     flat = scores.detach().reshape(L * H, T).double()
     # each head's ``min_per_head`` best positions are reserved first (stable: lowest position wins ties)
@@ -381,13 +374,6 @@ def global_budgets(scores: torch.Tensor, ratio: float, min_per_head: int = 1, mi
     if rest > 0:
         pool = flat.masked_fill(reserved, -math.inf).reshape(-1)
         order = torch.sort(pool, descending=True, stable=True).indices[: L * H * (T - min_per_head)]
-        if cap < T:  # a candidate is taken only while its head has room: its rank within the head < room
-            head = order // T
-            grouped, perm = torch.sort(head, stable=True)         # each head's candidates, in global order
-            starts = torch.cumsum(torch.bincount(head, minlength=L * H), 0) - torch.bincount(head, minlength=L * H)
-            rank = torch.empty_like(order)
-            rank[perm] = torch.arange(order.numel(), device=order.device) - starts[grouped]
-            order = order[rank < cap - min_per_head]
         counts += torch.bincount(order[:rest] // T, minlength=L * H)
     return counts.reshape(L, H)
 

@@ -3,7 +3,7 @@
 The paper (App. "Inference") uses one reference pool for anchor scoring, key merging and the
 fits of beta and C_v (Eqs. (mass_fit), (value_lstsq)). When the pool is large, this package
 scores anchors from every captured position but fits on a ``query_budget`` subsample
-(``CompactionConfig.score_queries="all"``). An anchor chosen because of a few sharp queries
+(``CompactionConfig.query_budget``). An anchor chosen because of a few sharp queries
 (a copy head reading a planted needle) then often has none of those queries among the fitting
 rows, so its compact value C_v is fitted only from queries that touch it weakly, and exact
 copying breaks. The witness of anchor ``j`` of a head is the pooled row that gives it the largest

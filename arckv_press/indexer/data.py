@@ -257,7 +257,7 @@ def contexts_summary(contexts: Sequence[TrainingContext]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class PoolSettings:
-    """Reference-pool construction (as :class:`arckv_press.api.CompactionConfig`).
+    """Reference-pool construction (as :class:`arckv_press.config.CompactionConfig`).
 
     Attributes:
         query_budget: reference rows per KV head; ``query_budget // G`` positions are captured.

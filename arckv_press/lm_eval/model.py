@@ -62,7 +62,7 @@ parallelism); nothing is written otherwise. Fields:
 - ``indexer``: content id of the learned indexer checkpoint (``press=arckv``;
   :func:`arckv_press.registry.indexer_id`), empty for the other presses;
 - ``config_id``: content id of the compaction options (our presses;
-  :func:`arckv_press.api.config_id`), empty for kvpress presses and ``ratio=1``;
+  :func:`arckv_press.config.config_id`), empty for kvpress presses and ``ratio=1``;
 - ``compacted`` (false for ``none`` and for documents shorter than the press's ``min_length``,
   which keep the full cache; ``note`` says why), ``requests`` and ``tasks``: the requests served
   by the group of requests that triggered the compaction.
@@ -296,7 +296,7 @@ class HFArcKV(HFLM):
             needs ``press=none``).
         press_<option>: any other press option, e.g. ``press_window_size=32`` for SnapKV,
             ``press_query_budget=1024`` or ``press_min_head_fraction=0.75`` for ARC-KV; for ARC-KV
-            and Attention Matching any :class:`~arckv_press.api.CompactionConfig` field, e.g.
+            and Attention Matching any :class:`~arckv_press.config.CompactionConfig` field, e.g.
             ``press_merge_rows=256`` (:func:`arckv_press.registry.press_options`).
         Other arguments go to ``HFLM`` (``dtype``, ``device``, ``max_length``, ``batch_size``, ...).
     """
@@ -364,7 +364,7 @@ class HFArcKV(HFLM):
     # ------------------------------------------------------------------ setup
     def _make_press(self, options: dict[str, Any]):
         from arckv_press.models import model_id
-        from arckv_press.api import config_id
+        from arckv_press.config import config_id
         from arckv_press.registry import indexer_id, make_press
 
         if self._ours:

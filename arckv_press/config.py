@@ -1,0 +1,254 @@
+"""The options of one compaction (:class:`CompactionConfig`) and their content id (:func:`config_id`).
+
+ARC-KV's defaults by kept fraction (:data:`RATIO_SCHEDULE`) live here too; :mod:`arckv_press.api`
+runs a compaction with a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from arckv_press.compaction.checks import check_ratio
+from arckv_press.compaction.fit import FitConfig
+from arckv_press.compaction.layer import LayerMethod
+from arckv_press.compaction.select import POOLINGS
+from arckv_press.methods import method as lookup_method
+
+__all__ = ["CompactionConfig", "config_id", "RATIO_SCHEDULE", "RatioDefaults", "ratio_defaults", "INDEXER_ROWS",
+           "SCORE_SHRINK"]
+
+INDEXER_ROWS = ("all", "budget", "corrected")  # CompactionConfig.indexer_rows
+
+@dataclass(frozen=True)
+class RatioDefaults:
+    """ARC-KV's defaults from kept fraction ``lowest`` down to the next step of :data:`RATIO_SCHEDULE`:
+    the key-merging coefficient ``lambda_m`` of Eq. (key_merge) and how anchors are found
+    (``anchor_search``, :class:`~arckv_press.compaction.layer.LayerMethod`)."""
+
+    lowest: float
+    lambda_m: float
+    anchor_search: str
+
+
+# Steps, largest kept fraction first. Chosen on the development split of the fidelity benchmark (never
+# on the documents the leaderboards report; docs/methodology.md): from keep 5% up, the top-t of the
+# selector's scores (they keep planted needles); below it, where a head keeps a handful of anchors and
+# no selector keeps needles, Attention Matching's OMP search on the budget rows, which picks anchors
+# that together fit every row's attention mass, then ARC-KV's merging and fits.
+RATIO_SCHEDULE: tuple[RatioDefaults, ...] = (RatioDefaults(0.05, 0.25, "scores"), RatioDefaults(0.0, 0.25, "omp"))
+
+
+def ratio_defaults(ratio: float) -> RatioDefaults:
+    """The step of :data:`RATIO_SCHEDULE` for kept fraction ``ratio``: the first whose ``lowest``
+    ``ratio`` reaches."""
+    ratio = check_ratio(ratio)
+    return next(step for step in RATIO_SCHEDULE if ratio >= step.lowest)
+
+
+@dataclass
+class CompactionConfig:
+    """Options of one compaction (defaults follow the paper where it gives one).
+
+    Attributes:
+        method: ``arckv`` (learned indexer), ``arckv-ha``, ``arckv-vi``, ``am-omp``,
+            ``am-omp-fast`` or ``am-ha``.
+        ratio: kept fraction rho in (0, 1].
+        lambda_m: key-merging coefficient of Eq. (key_merge) (the paper uses 0.25 for QuALITY and
+            RULER); ``None`` (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio``
+            (:func:`ratio_defaults`; 0.25 at every kept fraction, chosen on the fidelity dev split,
+            ``docs/methodology.md``).
+        pooling: ``rms`` (paper Eq. (indexer_pooling)), ``mean`` or ``max``.
+        query_budget: reference-query rows per KV head (G rows per captured position).
+        context_fraction: Attention Matching only: share of reference rows taken from the
+            context's own prefill queries (AM's "context-prefill" option) instead of the
+            repeat-prefill; 0 = paper default.
+        repeat_chunk: document tokens repeated per forward of the chunked repeat-prefill.
+        budget_weights: per layer-head weights a(l, h) ``[L, H]`` (tensor or path to a
+            ``.pt``/``.safetensors`` file); None = the indexer checkpoint's weights for ``arckv``,
+            uniform otherwise.
+        indexer: indexer checkpoint path (or a loaded indexer); None = shipped default.
+        min_length: shortest document (tokens) accepted.
+        seed: seed of every random choice (reference-row subsampling).
+        progress: show tqdm progress bars.
+        on_policy: Attention Matching only: the reference queries of layer l are recaptured by
+            a repeat-prefill through a cache whose layers below l are already compacted (one
+            repeat-prefill per layer, so about L times the cost); off by default.
+        allocation: ARC-KV per-head budgets: ``"global"`` (default; one top-k over the scores of
+            every layer and head, :func:`~arckv_press.compaction.select.global_budgets`) or
+            ``"fixed"`` (Eq. (per_head_budget) with ``budget_weights`` / the checkpoint's weights /
+            uniform, the paper's setting); what each costs in planted needles is in
+            ``docs/results.md``. Attention Matching methods ignore both options (uniform budgets,
+            as its code).
+        min_head_fraction: with ``allocation="global"``, every layer--KV head first keeps this
+            fraction of its uniform budget, ``floor(min_head_fraction * ratio * T)`` anchors (at
+            least 1), and only the rest is allocated by the global top-k
+            (:func:`~arckv_press.compaction.select.global_budgets`'s ``min_fraction``); 0 = fully
+            global, 1 = uniform, 0.5 the default. Fully global budgets can starve diffuse heads at
+            low kept fractions (measured in ``docs/results.md``, "Continuation fidelity").
+        merge_rows: reference rows per KV head of the response profiles
+            (Eq. (response_profile)), a seeded subsample of the budget rows (whole query-head
+            groups of a position); ``None`` = each head's fit rows.
+        indexer_rows: method ``arckv``: the reference rows the learned indexer
+            scores. ``"corrected"`` (default): ``score_rows`` of the budget rows, with the indexer's
+            base selector pooled over every row by the reference pass (the residual indexer's own
+            base, HA or VI; HA for the paper's form): the base's all-row score scaled by the
+            indexer's ratio to it on the sample
+            (:func:`~arckv_press.compaction.select.corrected_scores`), an estimate of ``"all"`` at
+            about the cost of HA's scores; rms or mean pooling. ``"all"``: every captured row (as HA
+            and VI scores are pooled; about G T / score_rows times the scoring work). ``"budget"``:
+            the budget rows only (the paper's n_score setting, uncorrected: anchors picked for a
+            planted needle by its few sharp rows are missed).
+        score_rows: ``indexer_rows="corrected"``: reference rows per KV head the learned indexer
+            scores, a seeded subsample of the budget rows (as ``merge_rows``); ``None`` = every
+            budget row.
+        fit_scope: ARC-KV: the anchors whose beta and C_v are fitted, ``"merged"`` (default: only
+            anchors that absorbed other positions; the others keep their own key, value and
+            beta = 0) or ``"all"`` (the paper; :class:`~arckv_press.compaction.layer.LayerMethod`).
+        anchor_search: ARC-KV: ``"scores"`` (top-t of the anchor scores) or ``"omp"`` / ``"omp-fast"``
+            (Attention Matching's greedy search on the budget rows, with the budgets the scores
+            allocate, then ARC-KV's merging and fits; :class:`~arckv_press.compaction.layer.LayerMethod`).
+            ``None`` (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio``: ``"scores"`` at
+            keep 5% and above, ``"omp"`` below.
+        fit_witnesses: the fits (and key merging) use the
+            ``query_budget`` rows plus every anchor's witness query, the captured row that attends
+            to it most (:mod:`arckv_press.compaction.witness`): without them, anchors picked for a
+            planted needle get C_v fitted from queries that barely touch them (``docs/results.md``,
+            "Why ARC-KV lost needles"). ``False`` = the budget rows only.
+        near_rows: every repeated copy's query, moved by its rotary embedding from
+            where the copy sits (a document after the original) to a position right after the
+            document, where a question's tokens sit (the instruction's positions, in turn;
+            :meth:`~arckv_press.capture.StatsCapture.add_near_rows`), is a reference row too: all
+            of them in the anchor scores and the witnesses, those of the budget positions in the
+            merge and fit rows. A question reads a position near the document's end from a few
+            tokens away, the copy from a whole document away; heads whose reading depends on the
+            distance see the end of the document only in these rows. ``False`` (default): off.
+    """
+
+    method: str = "arckv"
+    ratio: float = 0.1
+    lambda_m: float | None = None
+    pooling: str = "rms"
+    query_budget: int = 2048
+    context_fraction: float = 0.0
+    repeat_chunk: int = 2048
+    budget_weights: torch.Tensor | str | Path | None = None
+    indexer: object = None
+    fit: FitConfig = field(default_factory=FitConfig)
+    chunk_len: int = 4096
+    chunk_min_length: int = 10_000
+    min_length: int = 16
+    seed: int = 0
+    progress: bool = False
+    on_policy: bool = False
+    allocation: str = "global"
+    min_head_fraction: float = 0.5
+    fit_witnesses: bool = True
+    merge_rows: int | None = 512
+    indexer_rows: str = "corrected"
+    score_rows: int | None = 512
+    fit_scope: str = "merged"
+    anchor_search: str | None = None
+    near_rows: bool = False
+
+    def __post_init__(self) -> None:
+        lookup_method(self.method, ours=True)
+        check_ratio(self.ratio)
+        if not 0.0 <= self.context_fraction <= 1.0:
+            raise ValueError(f"context_fraction must be in [0, 1], got {self.context_fraction}")
+        if self.query_budget < 1 or self.repeat_chunk < 1:
+            raise ValueError("query_budget and repeat_chunk must be positive")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.allocation not in ("global", "fixed"):
+            raise ValueError(f"allocation must be 'global' or 'fixed', got {self.allocation!r}")
+        if not 0.0 <= self.min_head_fraction <= 1.0:
+            raise ValueError(f"min_head_fraction must be in [0, 1], got {self.min_head_fraction}")
+        if self.family == "arckv" and (self.on_policy or self.context_fraction != 0.0):
+            raise ValueError("context_fraction and on_policy are Attention Matching options: ARC-KV reads its reference "
+                             "rows from one repeat-prefill (the fused reference pass)")
+        if self.min_length < 1:
+            raise ValueError(f"min_length must be >= 1, got {self.min_length}")
+        if self.score_rows is not None and (isinstance(self.score_rows, bool) or not isinstance(self.score_rows, int)
+                                            or self.score_rows < 1):
+            raise ValueError(f"score_rows must be a positive int or None, got {self.score_rows!r}")
+        if self.indexer_rows not in INDEXER_ROWS:
+            raise ValueError(f"indexer_rows must be one of {INDEXER_ROWS}, got {self.indexer_rows!r}")
+        if self.method == "arckv" and self.indexer_rows == "corrected" and self.pooling == "max":
+            raise ValueError("indexer_rows='corrected' estimates a mean over rows: it needs pooling 'rms' or 'mean', "
+                             "not 'max'")
+        if self.merge_rows is not None and (isinstance(self.merge_rows, bool) or not isinstance(self.merge_rows, int)
+                                            or self.merge_rows < 1):
+            raise ValueError(f"merge_rows must be a positive int or None, got {self.merge_rows!r}")
+        if not isinstance(self.near_rows, bool):
+            raise TypeError(f"near_rows must be a bool, got {type(self.near_rows).__name__}")
+        self.layer_method()  # validates lambda_m now, not after the prefill and repeat-prefill
+
+    @property
+    def family(self) -> str:
+        """``"arckv"`` or ``"am"`` (:class:`~arckv_press.methods.Method`)."""
+        return lookup_method(self.method, ours=True).family
+
+    def merging_coefficient(self) -> float:
+        """``lambda_m`` as used at this config's kept fraction (the schedule's when ``None``)."""
+        return ratio_defaults(self.ratio).lambda_m if self.lambda_m is None else self.lambda_m
+
+    def anchor_search_used(self) -> str:
+        """``anchor_search`` as used at this config's kept fraction (the schedule's when ``None``)."""
+        return ratio_defaults(self.ratio).anchor_search if self.anchor_search is None else self.anchor_search
+
+    def layer_method(self) -> LayerMethod:
+        return LayerMethod(self.method, self.merging_coefficient(), self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
+                           fit_witnesses=self.fit_witnesses, fit_scope=self.fit_scope, anchor_search=self.anchor_search_used())
+
+
+_RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")  # never change a result (the indexer has its own id)
+_INDEXER_ONLY_FIELDS = ("indexer_rows", "score_rows")  # options only the learned indexer's method reads
+_ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "allocation", "min_head_fraction", "fit_witnesses", "merge_rows",
+                      "fit_scope", "anchor_search", "near_rows")
+_AM_ONLY_FIELDS = ("context_fraction", "on_policy")
+SCORE_SHRINK = 0.1  # ``shrink`` of corrected_scores for indexer_rows="corrected"
+
+
+def _canonical(value):
+    """A JSON-able, content-based stand-in for one config value (tensors and weight files by content)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu", torch.float64).contiguous()
+        return "tensor:" + hashlib.sha256(str(tuple(t.shape)).encode() + t.numpy().tobytes()).hexdigest()[:16]
+    if isinstance(value, (str, Path)) and Path(value).is_file():
+        return "file:" + hashlib.sha256(Path(value).read_bytes()).hexdigest()[:16]
+    if isinstance(value, float):
+        return repr(value)
+    return value if value is None or isinstance(value, (bool, int, str)) else repr(value)
+
+
+def config_id(config: CompactionConfig) -> str:
+    """Short content id (12 hex digits) of the options that shape a compaction's result.
+
+    Covers every :class:`CompactionConfig` field (and :class:`FitConfig`) except the kept fraction,
+    with ``lambda_m`` and ``anchor_search`` as used at that kept fraction (so the default schedule and
+    the same values given explicitly share an id, and the id changes where the schedule does),
+    progress bars, ``min_length`` (it only refuses inputs) and the indexer (which has its own id,
+    :func:`arckv_press.indexer.checkpoint.checkpoint_id`); for Attention Matching methods also
+    except the ARC-KV-only options they ignore (merging, budgets, witnesses), and for ARC-KV the
+    Attention Matching-only ones (``context_fraction``, ``on_policy``). Benchmark rows store
+    it, so a result made under other defaults (say a new ``min_head_fraction``) is never taken for
+    a current one, while unrelated default changes leave the other methods' rows valid.
+    """
+    skip = set(_RUN_ONLY_FIELDS) | set(_ARCKV_ONLY_FIELDS if config.family == "am" else _AM_ONLY_FIELDS)
+    skip |= set(_INDEXER_ONLY_FIELDS) if config.method != "arckv" else set()
+    options = {f.name: _canonical(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in skip}
+    if "lambda_m" in options:  # the coefficient used at this kept fraction: the schedule's or the one given
+        options["lambda_m"] = _canonical(float(config.merging_coefficient()))
+    if "anchor_search" in options:
+        options["anchor_search"] = config.anchor_search_used()  # resolved from the schedule where it decides
+    if config.family == "am":
+        options["fit"].pop("gram_dtype")  # Attention Matching always forms float64 products
+    return hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
