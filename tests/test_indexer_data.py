@@ -16,6 +16,7 @@ from arckv_press.indexer import data as D
 from arckv_press.indexer.checkpoint import load_indexer
 from arckv_press.indexer.model import PARAM_NAMES, ValueAwareIndexer
 from arckv_press.models import config_hash, model_id
+from conftest import make_text  # noqa: E402
 
 DATA_DIR = D.default_data_dir()
 HAVE_DATA = (DATA_DIR / D.SQUAD_TRAIN_FILE).is_file()
@@ -311,3 +312,34 @@ def test_residual_flag_trains_and_merges_a_residual_checkpoint(tiny_model, tiny_
     assert meta.training["epochs"] == {"kl": 0, "joint": 1}
     # training moved the head weights away from zero (the learned correction of the base is live)
     assert torch.count_nonzero(indexer.L_x) > 0
+
+
+def test_merge_on_a_hybrid_model_ships_its_global_layers(tiny_model, tiny_tokenizer, tmp_path):
+    """A hybrid model (Gemma 3: sliding-window layers are never compacted) trains shards of its
+    full-attention layers only; the merged checkpoint holds those layers' trained parameters, the
+    sliding layers' initial ones with budget weight 0, and ``arckv`` compacts with it."""
+    from arckv_press.api import compact
+    from arckv_press.indexer import run
+    from arckv_press.models import describe_attention_layout, model_id
+
+    model, tok = tiny_model("gemma3", num_layers=4, seed=0), tiny_tokenizer()
+    full = list(describe_attention_layout(model).full_attention_layers)
+    assert full == [1, 3]
+    _write_squad(tmp_path / "squad.json", _fake_articles(n_articles=8, n_paragraphs=4, seed=1))
+    resid = (*_args(tmp_path, "--kl-epochs", "0"), "--residual")
+    with pytest.raises(ValueError, match="not full-attention layers"):
+        run.main([*resid, "--layers", "0"], model, tok)
+    assert run.main([*resid, "--layers", "1,3"], model, tok) == 0
+    out = tmp_path / "ck"
+    assert run.main([*resid, "--merge", "--out", str(out)], model, tok) == 0
+    indexer, _, bw = load_indexer(out, model_id=model_id(model), config_hash=config_hash(model.config))
+    shard_dir = run.default_shard_dir(model, tmp_path / "cache")
+    fresh = ValueAwareIndexer(indexer.config, seed=run.RunSettings().init_seed)
+    for layer in range(4):
+        want = run.read_shard(run.layer_shard_path(shard_dir, layer))[0] if layer in full else fresh.layer_params(layer)
+        for k in PARAM_NAMES:
+            assert torch.equal(indexer.layer_params(layer)[k], want[k]), (layer, k)
+    assert bw[[0, 2]].eq(0).all() and (bw[full] > 0).all() and bw.sum().item() == pytest.approx(1.0)
+    with torch.no_grad():
+        cache = compact(model, tok, make_text(120, seed=2), "arckv", 0.25, indexer=str(out), query_budget=24)
+    assert [layer.layer_idx for layer in cache.compact_layers] == full

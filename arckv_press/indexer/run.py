@@ -350,15 +350,16 @@ def train_shard(model: Any, pool_paths: Sequence[str | Path], shard_dir: str | P
 def merge_shards(model: Any, pool_paths: Sequence[str | Path], shard_dir: str | Path, out: str | Path,
                  settings: RunSettings = RunSettings(), training: dict[str, Any] | None = None) -> Path:
     """Join the layer shards into one checkpoint at ``out`` with per-head budget weights
-    (:func:`arckv_press.indexer.budget.budget_weights_from_curves`) and metadata."""
+    (:func:`arckv_press.indexer.budget.budget_weights_from_curves`) and metadata.
+
+    On a hybrid model (sliding-window layers, which are never compacted) only the full-attention
+    layers have shards; the other layers keep their initial parameters and budget weight 0 (the
+    compaction reads only the compacted layers' weights, normalised among them)."""
     from arckv_press.models import config_hash, describe_attention_layout, model_id
 
     cfg = settings.indexer_config(model)
     fp = run_fingerprint(model, pool_paths, settings)
     layers = list(describe_attention_layout(model).full_attention_layers)
-    if layers != list(range(cfg.num_layers)):
-        raise ValueError("merging needs every layer to be a full-attention layer (hybrid models: "
-                         f"compacted layers {layers} of {cfg.num_layers}); not supported yet")
     missing = [l for l in layers if not layer_shard_path(shard_dir, l).is_file()]
     if missing:
         raise ValueError(f"cannot merge: no finished shard for layers {missing} in {shard_dir}")
@@ -375,8 +376,10 @@ def merge_shards(model: Any, pool_paths: Sequence[str | Path], shard_dir: str | 
         per_layer.append({"layer": layer, "train_seconds": round(meta["train_seconds"], 1),
                           "final": {k: {kk: round(vv, 5) for kk, vv in v.items() if isinstance(vv, float)}
                                     for k, v in last.items()}})
-    curves_t = torch.stack(curves)  # [L, H, F]
-    weights = budget_weights_from_curves(curves_t, settings.curve_fractions, settings.weight_ratios)
+    curves_t = torch.stack(curves)  # [L_compacted, H, F]
+    compacted = budget_weights_from_curves(curves_t, settings.curve_fractions, settings.weight_ratios)
+    weights = torch.zeros(cfg.num_layers, compacted.shape[1], dtype=compacted.dtype)
+    weights[layers] = compacted
     summary = dict(training or {})
     summary.update({
         "run_fingerprint": fp,
