@@ -166,7 +166,7 @@ def md_table(header, rows) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from arckv_press.models import load_model, model_id
+    from arckv_press.models import describe_attention_layout, load_model, model_id
 
     model, tok = load_model(args.model, dtype=args.dtype)
     args.dtype = str(model.dtype).removeprefix("torch.")  # the resolved dtype, as printed and recorded
@@ -195,10 +195,14 @@ def main(argv=None) -> int:
     n_ctx = 2 if args.quick and args.contexts is None else (args.contexts or len(dev))
     dev = dev[:n_ctx]
     L = indexer.config.num_layers
+    full = list(describe_attention_layout(model).full_attention_layers)  # the compacted layers (hybrids: global only)
     if args.layers is None:
-        layers = list(range(0, L, 7)) if args.quick else list(range(0, L, 3))
+        layers = full[::7] if args.quick else full[::3]
     else:
-        layers = parse_layers(args.layers, L) or list(range(L))
+        layers = parse_layers(args.layers, L) or full
+        if set(layers) - set(full):
+            raise SystemExit(f"--layers {args.layers}: layers {sorted(set(layers) - set(full))} are not compacted "
+                             f"(full-attention layers: {full})")
     if shard_layers is not None and not set(layers) <= set(shard_layers):
         raise SystemExit(f"--shards {args.shards} has another indexer config than the checkpoint and only layers "
                          f"{shard_layers}; pass --layers within them (asked for {layers})")
