@@ -55,6 +55,11 @@ def ratio_defaults(ratio: float) -> RatioDefaults:
 class CompactionConfig:
     """Options of one compaction (defaults follow the paper where it gives one).
 
+    The options of one layer's steps (``pooling``, ``chunk_len``, ``chunk_min_length``, ``fit``,
+    ``fit_scope``, ``anchor_search``, ``fit_witnesses``; ``lambda_m`` as used) are described once,
+    on :class:`~arckv_press.compaction.layer.LayerMethod`, which :meth:`layer_method` builds; below
+    are what this class adds to them.
+
     Attributes:
         method: ``arckv`` (learned indexer), ``arckv-ha``, ``arckv-vi``, ``am-omp``,
             ``am-omp-fast`` or ``am-ha``.
@@ -63,7 +68,6 @@ class CompactionConfig:
             RULER); ``None`` (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio``
             (:func:`ratio_defaults`; 0.25 at every kept fraction, chosen on the fidelity dev split,
             ``docs/methodology.md``).
-        pooling: ``rms`` (paper Eq. (indexer_pooling)), ``mean`` or ``max``.
         query_budget: reference-query rows per KV head (G rows per captured position).
         context_fraction: Attention Matching only: share of reference rows taken from the
             context's own prefill queries (AM's "context-prefill" option) instead of the
@@ -107,19 +111,8 @@ class CompactionConfig:
         score_rows: ``indexer_rows="corrected"``: reference rows per KV head the learned indexer
             scores, a seeded subsample of the budget rows (as ``merge_rows``); ``None`` = every
             budget row.
-        fit_scope: ARC-KV: the anchors whose beta and C_v are fitted, ``"merged"`` (default: only
-            anchors that absorbed other positions; the others keep their own key, value and
-            beta = 0) or ``"all"`` (the paper; :class:`~arckv_press.compaction.layer.LayerMethod`).
-        anchor_search: ARC-KV: ``"scores"`` (top-t of the anchor scores) or ``"omp"`` / ``"omp-fast"``
-            (Attention Matching's greedy search on the budget rows, with the budgets the scores
-            allocate, then ARC-KV's merging and fits; :class:`~arckv_press.compaction.layer.LayerMethod`).
-            ``None`` (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio``: ``"scores"`` at
-            keep 5% and above, ``"omp"`` below.
-        fit_witnesses: the fits (and key merging) use the
-            ``query_budget`` rows plus every anchor's witness query, the captured row that attends
-            to it most (:mod:`arckv_press.compaction.witness`): without them, anchors picked for a
-            planted needle get C_v fitted from queries that barely touch them (``docs/results.md``,
-            "Why ARC-KV lost needles"). ``False`` = the budget rows only.
+        anchor_search: ``None`` (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio``
+            (``"scores"`` at keep 5% and above, ``"omp"`` below).
         near_rows: every repeated copy's query, moved by its rotary embedding from
             where the copy sits (a document after the original) to a position right after the
             document, where a question's tokens sit (the instruction's positions, in turn;
