@@ -37,6 +37,7 @@ from arckv_press.compaction.reference import (
 )
 from arckv_press.compaction.select import corrected_scores, global_budgets, per_head_budgets
 from arckv_press.config import SCORE_SHRINK, CompactionConfig, config_id
+from arckv_press.indexer.checkpoint import resolve_indexer
 from arckv_press.methods import method as lookup_method
 
 __all__ = ["compact", "compact_prefilled", "CompactionReport", "reference_positions"]
@@ -88,46 +89,6 @@ def _load_weights(weights, shape: tuple[int, int], num_layers: int) -> torch.Ten
     if tuple(weights.shape) not in (shape, (num_layers, shape[1])):
         raise ValueError(f"budget weights have shape {tuple(weights.shape)}, expected {shape} (compacted layers x KV heads)")
     return weights
-
-
-def _resolve_indexer(config: CompactionConfig, model):
-    """``(indexer, budget weights shipped with it)`` for method ``arckv``, else ``(None, None)``."""
-    if config.method != "arckv":
-        return None, None
-    if config.indexer is not None and not isinstance(config.indexer, (str, Path)):
-        _check_indexer_shape(config.indexer, model)
-        return config.indexer, None
-    from arckv_press.indexer.checkpoint import default_indexer_path, load_indexer
-    from arckv_press.models import config_hash, model_id
-
-    mid = model_id(model)
-    path = config.indexer or default_indexer_path(mid)
-    if path is None:
-        raise ValueError(
-            f"no value-aware indexer is shipped for {mid!r}: pass indexer=<checkpoint path> "
-            "(train one with scripts/train_indexer.py) or use a training-free method (arckv-ha, arckv-vi)"
-        )
-    indexer, _meta, budget_weights = load_indexer(path, model_id=mid, config_hash=config_hash(model.config))
-    return indexer, budget_weights
-
-
-def _check_indexer_shape(indexer, model) -> None:
-    """A loaded indexer (no checkpoint metadata to compare) must have the model's layer, KV-head and
-    width sizes; a mismatch is an error naming both, not a shape failure deep inside its scores."""
-    from arckv_press.indexer.model import IndexerConfig
-
-    fields = ("num_layers", "num_kv_heads", "head_dim", "d_x")
-    have = getattr(indexer, "config", None)
-    if not isinstance(have, IndexerConfig):
-        raise TypeError(f"indexer must be a checkpoint path or a ValueAwareIndexer, got {type(indexer).__name__}")
-    want = IndexerConfig.from_model_config(model.config)
-    if any(getattr(have, f) != getattr(want, f) for f in fields):
-        raise ValueError(
-            "the indexer was built for another model: "
-            + ", ".join(f"{f}={getattr(have, f)}" for f in fields)
-            + " against the model's "
-            + ", ".join(f"{f}={getattr(want, f)}" for f in fields)
-        )
 
 
 def reference_positions(T: int, G: int, config: CompactionConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,7 +172,7 @@ def compact_prefilled(
 
     # Indexer and budgets are resolved before the (possibly long) prefill: a missing checkpoint or
     # malformed budget weights fail fast and leave ``cache`` untouched.
-    indexer, shipped_weights = _resolve_indexer(config, model) if config.ratio < 1.0 else (None, None)
+    indexer, shipped_weights = resolve_indexer(config.method, config.indexer, model) if config.ratio < 1.0 else (None, None)
     chosen = config.budget_weights if config.budget_weights is not None else shipped_weights
     weights = _load_weights(chosen, (len(layers), H), layout.num_layers)
     if weights is not None and weights.shape[0] == layout.num_layers != len(layers):
@@ -238,12 +199,12 @@ def compact_prefilled(
     if config.ratio >= 1.0:
         layer_results = {i: None for i in layers}
         n_rows = 0
-    elif config.family == "arckv":
-        layer_results, n_rows = _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, config, method,
-                                               framing, indexer, budgets, repeat_pos, timings, H, G)
     else:
-        layer_results, n_rows = _compact_am(model, tokenizer, cache, context_ids, prefix_len, layers, config, method,
-                                            framing, budgets, repeat_pos, context_queries, timings, H, G)
+        run = _Run(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, timings, H, G)
+        if config.family == "arckv":
+            layer_results, n_rows = _compact_fused(run, indexer, budgets, repeat_pos)
+        else:
+            layer_results, n_rows = _compact_am(run, budgets, repeat_pos, context_queries)
     for layer_idx in layers:
         _pack_layer(cache, layer_idx, prefix_len, T, H, layer_results[layer_idx])
 
@@ -275,6 +236,36 @@ def compact_prefilled(
     return result
 
 
+@dataclass
+class _Run:
+    """What every stage of one compaction reads (model, prefilled cache, options, layers) and the
+    stage timings it adds to."""
+
+    model: object
+    tokenizer: object
+    cache: object
+    context_ids: torch.Tensor
+    prefix_len: int
+    layers: list[int]
+    config: CompactionConfig
+    method: object  # the config's LayerMethod
+    framing: object
+    timings: dict[str, float]
+    H: int  # KV heads
+    G: int  # query heads per KV head
+
+    @property
+    def doc_ids(self) -> torch.Tensor:
+        return self.context_ids[:, self.prefix_len:]
+
+    def kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _document_kv(self.cache, layer_idx, self.prefix_len)
+
+    def add(self, stage_timings: dict[str, float]) -> None:
+        for stage, sec in stage_timings.items():
+            self.timings[stage] = self.timings.get(stage, 0.0) + sec
+
+
 def _progress(config: CompactionConfig, total: int, desc: str, unit: str = "tok"):
     if not config.progress:
         return None
@@ -283,27 +274,29 @@ def _progress(config: CompactionConfig, total: int, desc: str, unit: str = "tok"
     return tqdm(total=total, desc=desc, unit=unit, leave=False)
 
 
-def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, indexer,
-                   budgets, base_pos, timings, H, G):
+def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Tensor):
     """ARC-KV's stages (the fused pipeline): one repeat-prefill gathering every statistic, allocation,
-    then each layer from its statistics (:func:`compact_layer_from_stats`)."""
-    T = context_ids.shape[1] - prefix_len
+    then each layer from its statistics (:func:`compact_layer_from_stats`). ``base_pos``: the
+    budget positions (:func:`reference_positions`)."""
+    config, layers, G = run.config, run.layers, run.G
+    T = run.doc_ids.shape[1]
     selector = lookup_method(config.method).selector
     t0 = time.perf_counter()
     bar = _progress(config, T, "repeat-prefill")
     score_pos = indexer_positions(config, base_pos, T, G)
     pass_selector = selector
     if selector == "indexer":  # the pass pools the residual indexer's base only as its control variate
-        pass_selector = _control_selector(indexer, model, layers) if config.indexer_rows == "corrected" else "none"
-    cap = repeat_prefill_stats(model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, layers,
-                               prefix_len, selector=pass_selector, pooling=config.pooling,
+        pass_selector = _control_selector(indexer, run.model, layers) if config.indexer_rows == "corrected" else "none"
+    cap = repeat_prefill_stats(run.model, run.tokenizer, run.cache, run.doc_ids, run.framing.suffix_ids, layers,
+                               run.prefix_len, selector=pass_selector, pooling=config.pooling,
                                x_positions=score_pos if selector == "indexer" else None,
-                               chunk_size=config.repeat_chunk, progress=bar, near_positions=torch.arange(T) if config.near_rows else None)
+                               chunk_size=config.repeat_chunk, progress=bar,
+                               near_positions=torch.arange(T) if config.near_rows else None)
     if bar is not None:
         bar.close()
-    timings["repeat_prefill"] = time.perf_counter() - t0
-    timings["reference_stats"] = cap.stats_seconds  # part of repeat_prefill: the in-pass selection work
-    queries = {i: group_queries_by_kv_head(torch.cat(cap.store.q.pop(i), dim=1)[None], H) for i in layers}
+    run.timings["repeat_prefill"] = time.perf_counter() - t0
+    run.timings["reference_stats"] = cap.stats_seconds  # part of repeat_prefill: the in-pass selection work
+    queries = {i: group_queries_by_kv_head(torch.cat(cap.store.q.pop(i), dim=1)[None], run.H) for i in layers}
 
     N = T + cap.n_near  # rows per query head: the repeated document, then the near rows
     after = T + base_pos if cap.n_near else torch.zeros(0, dtype=torch.long)  # the near rows of the budget positions
@@ -313,12 +306,12 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
     scores = {}
     for i in layers:
         if selector == "indexer":  # indexer_rows: every captured row, the budget rows, or those corrected
-            K, V = _document_kv(cache, i, prefix_len)
+            K, V = run.kv(i)
             X = torch.cat(cap.store.x.pop(i), dim=0)
             Q = queries[i] if config.indexer_rows == "all" else queries[i][:, score_rows.to(K.device)]
             if config.indexer_rows == "corrected":
                 sample, sample_base = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling,
-                                                     base=True, base_scale=_scaling(model, i))
+                                                     base=True, base_scale=_scaling(run.model, i))
                 scores[i] = corrected_scores(cap.stats[i].scores, sample, sample_base, config.pooling,
                                              SCORE_SHRINK, Q.shape[1] / queries[i].shape[1])
             else:
@@ -328,7 +321,7 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
     if config.allocation == "global":
         budgets = global_budgets(torch.stack([scores[i].float() for i in layers]), config.ratio,
                                  min_fraction=config.min_head_fraction)
-    timings["selection"] = time.perf_counter() - t0
+    run.timings["selection"] = time.perf_counter() - t0
 
     merge_rows = None
     if config.merge_rows is not None:
@@ -338,13 +331,12 @@ def _compact_fused(model, tokenizer, cache, context_ids, prefix_len, layers, con
     results, n_rows = {}, 0
     bar = _progress(config, len(layers), f"compact ({config.method})", unit="layer")
     for li, i in enumerate(layers):
-        K, V = _document_kv(cache, i, prefix_len)
+        K, V = run.kv(i)
         res = compact_layer_from_stats(K, V, queries.pop(i), cap.stats.pop(i), budgets[li].to(K.device),
-                                       _scaling(model, i), method, base_rows, merge_rows, scores.pop(i))
+                                       _scaling(run.model, i), run.method, base_rows, merge_rows, scores.pop(i))
         results[i] = res
         n_rows = max(n_rows, res.fit_rows)
-        for stage, sec in res.timings.items():
-            timings[stage] = timings.get(stage, 0.0) + sec
+        run.add(res.timings)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -376,42 +368,41 @@ def _control_selector(indexer, model, layers) -> str:
     return "vi" if cfg.base_value_influence else "ha"
 
 
-def _compact_am(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, budgets, repeat_pos,
-                context_queries, timings, H, G):
-    """Attention Matching's stages: the reference queries captured by the repeat-prefill (and the
-    context prefill, ``context_fraction``; recaptured before each layer through the layers already
-    compacted, ``on_policy``), then per layer :func:`compact_layer`."""
+def _compact_am(run: _Run, budgets: torch.Tensor, repeat_pos: torch.Tensor, context_queries):
+    """Attention Matching's stages: the reference queries captured by the repeat-prefill at
+    ``repeat_pos`` (and the context prefill, ``context_fraction``; recaptured before each layer
+    through the layers already compacted, ``on_policy``), then per layer :func:`compact_layer`."""
+    config, layers = run.config, run.layers
     repeat_store = None
 
     def capture(capture_layers, bar=None):
-        return repeat_prefill(model, tokenizer, cache, context_ids[:, prefix_len:], framing.suffix_ids, capture_layers,
+        return repeat_prefill(run.model, run.tokenizer, run.cache, run.doc_ids, run.framing.suffix_ids, capture_layers,
                               repeat_pos, config.repeat_chunk, bar)
 
     if repeat_pos.numel():
         t0 = time.perf_counter()
-        bar = _progress(config, context_ids.shape[1] - prefix_len, "repeat-prefill")
+        bar = _progress(config, run.doc_ids.shape[1], "repeat-prefill")
         repeat_store = capture(layers[:1] if config.on_policy else layers, bar)
         if bar is not None:
             bar.close()
-        timings["repeat_prefill"] = time.perf_counter() - t0
+        run.timings["repeat_prefill"] = time.perf_counter() - t0
     results, n_rows = {}, 0
     bar = _progress(config, len(layers), f"compact ({config.method})", unit="layer")
     for li, layer_idx in enumerate(layers):
-        K, V = _document_kv(cache, layer_idx, prefix_len)
+        K, V = run.kv(layer_idx)
         if config.on_policy and li > 0 and repeat_pos.numel():
             t0 = time.perf_counter()
-            enable_compact_attention(model)  # layers below are compact now
+            enable_compact_attention(run.model)  # layers below are compact now
             repeat_store = capture([layer_idx])
-            timings["repeat_prefill"] = timings.get("repeat_prefill", 0.0) + time.perf_counter() - t0
-        X, Q = _layer_queries(layer_idx, repeat_store, context_queries, H)
-        res = compact_layer(K, V, Q, budgets[li].to(K.device), _scaling(model, layer_idx), method,
-                            X=group_activations(X, G), layer_idx=layer_idx, group_size=G)
+            run.add({"repeat_prefill": time.perf_counter() - t0})
+        X, Q = _layer_queries(layer_idx, repeat_store, context_queries, run.H)
+        res = compact_layer(K, V, Q, budgets[li].to(K.device), _scaling(run.model, layer_idx), run.method,
+                            X=group_activations(X, run.G), layer_idx=layer_idx, group_size=run.G)
         results[layer_idx] = res
         n_rows = max(n_rows, res.fit_rows)
-        for stage, sec in res.timings.items():
-            timings[stage] = timings.get(stage, 0.0) + sec
+        run.add(res.timings)
         if config.on_policy:  # the next layer's repeat-prefill reads this layer compacted
-            _pack_layer(cache, layer_idx, prefix_len, K.shape[1], H, res)
+            _pack_layer(run.cache, layer_idx, run.prefix_len, K.shape[1], run.H, res)
         if bar is not None:
             bar.update(1)
     if bar is not None:

@@ -48,6 +48,7 @@ __all__ = [
     "load_indexer",
     "read_metadata",
     "default_indexer_path",
+    "resolve_indexer",
     "checkpoint_id",
     "RESUME_FORMAT",
     "save_resume_state",
@@ -384,3 +385,41 @@ def read_resume_state(path: str | Path, fingerprint: str | None = None) -> dict[
     if not isinstance(state, dict):
         raise ValueError(f"{path}: the resume state is a {type(state).__name__}, expected a dict")
     return state
+
+
+def resolve_indexer(method: str, indexer, model):
+    """``(indexer, budget weights shipped with it)`` for method ``arckv`` (``indexer``: a checkpoint
+    path, a loaded indexer, or ``None`` for the one shipped for ``model``), else ``(None, None)``."""
+    if method != "arckv":
+        return None, None
+    if indexer is not None and not isinstance(indexer, (str, Path)):
+        _check_indexer_shape(indexer, model)
+        return indexer, None
+    from arckv_press.models import config_hash, model_id
+
+    mid = model_id(model)
+    path = indexer or default_indexer_path(mid)
+    if path is None:
+        raise ValueError(
+            f"no value-aware indexer is shipped for {mid!r}: pass indexer=<checkpoint path> "
+            "(train one with scripts/train_indexer.py) or use a training-free method (arckv-ha, arckv-vi)"
+        )
+    indexer, _meta, budget_weights = load_indexer(path, model_id=mid, config_hash=config_hash(model.config))
+    return indexer, budget_weights
+
+
+def _check_indexer_shape(indexer, model) -> None:
+    """A loaded indexer (no checkpoint metadata to compare) must have the model's layer, KV-head and
+    width sizes; a mismatch is an error naming both, not a shape failure deep inside its scores."""
+    fields = ("num_layers", "num_kv_heads", "head_dim", "d_x")
+    have = getattr(indexer, "config", None)
+    if not isinstance(have, IndexerConfig):
+        raise TypeError(f"indexer must be a checkpoint path or a ValueAwareIndexer, got {type(indexer).__name__}")
+    want = IndexerConfig.from_model_config(model.config)
+    if any(getattr(have, f) != getattr(want, f) for f in fields):
+        raise ValueError(
+            "the indexer was built for another model: "
+            + ", ".join(f"{f}={getattr(have, f)}" for f in fields)
+            + " against the model's "
+            + ", ".join(f"{f}={getattr(want, f)}" for f in fields)
+        )
