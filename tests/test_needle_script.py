@@ -3,6 +3,7 @@ resumed nor drawn."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import load_script
 
 from arckv_press.config import CompactionConfig, config_id
@@ -285,3 +286,29 @@ def test_depth_table_counts_every_case_of_each_depth():
         assert body[name][2] == count(method, ratio, None) + " |"
     assert body["`arckv`"][1] == "0/6"
     assert "lengths 1K, 1.5K" in table
+
+
+def test_pipeline_framing_asks_a_base_model_as_a_completion(tiny_model, tiny_tokenizer):
+    """The needle grid's pipeline cases pass the question through ``framing.pipeline_question``: a
+    model without a chat template gets the package's completion framing, a chat model the question
+    unchanged."""
+    from arckv_press.framing import completion_text, pipeline_question
+    from arckv_press.haystack import make_needle
+
+    needle = load_script("needle")
+    case = make_needle(0, "pipeline")
+    for chat in (True, False):
+        tok, seen = tiny_tokenizer(chat_template=chat), {}
+
+        def pipe(context, **kwargs):
+            seen.update(kwargs)
+            raise RuntimeError("stop after the call")
+
+        with pytest.raises(RuntimeError, match="stop after the call"):
+            needle.run_case(pipe, tiny_model("llama"), tok, "none", 1.0, "ctx", case)
+        want = pipeline_question(tok, case.question, case.prefix())
+        assert {k: seen[k] for k in ("question", "answer_prefix")} == want
+        if chat:
+            assert want == {"question": case.question, "answer_prefix": case.prefix()}
+        else:
+            assert seen["question"] + "\n" + seen["answer_prefix"] == completion_text(case.question, case.prefix())

@@ -140,6 +140,7 @@ def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, in
     from transformers import DynamicCache
 
     from arckv_press.attention import disable_compact_attention
+    from arckv_press.framing import pipeline_question
     from arckv_press.methods import METHODS
     from arckv_press.registry import make_press, press_options
 
@@ -152,7 +153,7 @@ def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, in
     try:
         with torch.inference_mode():
             t0 = time.perf_counter()
-            out = pipe(context, question=needle.question, answer_prefix=needle.prefix(), press=timed,
+            out = pipe(context, **pipeline_question(tok, needle.question, needle.prefix()), press=timed,
                        max_new_tokens=MAX_NEW_TOKENS, cache=cache)
             total = time.perf_counter() - t0
         masked = any(getattr(m, "masked_key_indices", None) is not None for m in attention_modules(model))
