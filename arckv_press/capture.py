@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from arckv_press.cache import cache_snapshot, restore_cache
 from arckv_press.compaction.checks import check_positive_int
 from arckv_press.compaction.stats import ReferenceStats, causal_part, split_attention
 
@@ -453,15 +454,15 @@ def _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, p
         raise ValueError(f"repeat-prefill supports batch size 1 only, got doc_ids of shape {tuple(doc_ids.shape)}")
     chunks = list(repeat_chunks(tokenizer, doc_ids.cpu(), suffix_ids, chunk_size))
     _warn_past_window(model, cache.get_seq_length() + max(ids.shape[-1] for _, _, ids in chunks), chunk_size)
-    snapshot = _snapshot(cache)
+    snapshot = cache_snapshot(cache)  # restoring it also undoes what a sliding-window layer dropped
     try:
         for start, n, ids in chunks:
             forward(start, n, ids)
-            _restore(cache, snapshot)
+            restore_cache(cache, snapshot)
             if progress is not None:
                 progress.update(n)
     finally:
-        _restore(cache, snapshot)
+        restore_cache(cache, snapshot)
 
 
 def _warn_past_window(model, furthest: int, chunk_size: int) -> None:
@@ -517,20 +518,6 @@ def _check_positions(positions, T: int) -> torch.Tensor:
     if bool((positions[1:] <= positions[:-1]).any()):
         raise ValueError("positions must be strictly increasing (sorted, no duplicates)")
     return positions
-
-
-def _snapshot(cache) -> list[tuple]:
-    """References to each layer's tensors (cache updates concatenate into new tensors, so these
-    stay valid); restoring them also undoes what a sliding-window layer dropped, which ``crop``
-    cannot."""
-    return [(layer.keys, layer.values, getattr(layer, "cumulative_length", None)) for layer in cache.layers]
-
-
-def _restore(cache, snapshot: list[tuple]) -> None:
-    for layer, (k, v, cum) in zip(cache.layers, snapshot):
-        layer.keys, layer.values = k, v
-        if cum is not None:
-            layer.cumulative_length = cum
 
 
 def check_document_text(text, name: str = "context") -> str:

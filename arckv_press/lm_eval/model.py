@@ -93,12 +93,12 @@ from tqdm import tqdm
 from arckv_press.cache import cache_nbytes, cache_snapshot, restore_cache
 from arckv_press.compaction.checks import check_ratio
 from arckv_press.lm_eval.plugin import MODEL_NAME
+from arckv_press.tasks._common import doc_markers as markers
+from arckv_press.tasks._common.doc_markers import DOC_END, DOC_START
 from arckv_press.generation import greedy_decode
 
 logger = logging.getLogger(__name__)
 
-DOC_START = "<document>\n"  # same strings as tasks/_common/doc_markers.py (checked by the tests)
-DOC_END = "\n</document>\n"
 
 __all__ = [
     "DOC_END",
@@ -116,19 +116,13 @@ __all__ = [
 
 
 def locate_document(text: str) -> tuple[int, int] | None:
-    """Character span ``(start, end)`` of the document in a prompt, or ``None`` without markers.
-
-    Same rule as ``tasks/_common/doc_markers.locate_document``: the document starts after the
-    first ``DOC_START`` and ends before the last ``DOC_END``.
-    """
-    first = text.find(DOC_START)
-    last = text.rfind(DOC_END)
-    if first < 0 or last < 0:
+    """Character span ``(start, end)`` of the document in a prompt (the rule of
+    :func:`arckv_press.tasks._common.doc_markers.locate_document`: after the first ``DOC_START``,
+    before the last ``DOC_END``), or ``None`` when the prompt has no such span."""
+    try:
+        return markers.locate_document(text)
+    except ValueError:
         return None
-    start = first + len(DOC_START)
-    if last < start:
-        return None
-    return start, last
 
 
 def strip_document(text: str) -> str:
