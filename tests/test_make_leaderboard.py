@@ -878,3 +878,23 @@ def test_evidence_cost_sums_compactions_times_seconds():
         "| full cache |  |  | 1.0 (360) |  | 1.0 (360) |",
         f"| all | 0.5 (45) |  | {(4680 + 468 + 3600) / 3600:.1f} (516) | 1.0 (50) | "
         f"{(4680 + 468 + 1800 + 7200) / 3600:.1f} (611) |"]
+
+
+def test_compaction_records_reader_names_the_bad_line(tmp_path):
+    """The leaderboard's records reader is the task files' JSON-lines reader: bad JSON and a record
+    without a required field are refused with the file and line; a resumed document counts once."""
+    from arckv_press.bench.leaderboard.readers import read_records
+    from arckv_press.tasks._common.records import DataFileError
+
+    good = {"model": "m", "press": "arckv", "ratio": 0.1, "document_sha1": "d"}
+    path = tmp_path / "arckv_compaction.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps({**good, "seconds": 2}) + "\n")
+    [(key, recs)] = read_records([path]).items()
+    assert key == ("m", "arckv", "0.1")
+    assert len(recs) == 1 and recs[0]["seconds"] == 2  # the last copy of a document compacted twice
+    path.write_text(json.dumps(good) + "\n{not json\n")
+    with pytest.raises(DataFileError, match=r"arckv_compaction\.jsonl, line 2: invalid JSON"):
+        read_records([path])
+    path.write_text("\n" + json.dumps({"model": "m", "press": "arckv"}) + "\n")
+    with pytest.raises(ValueError, match=r"arckv_compaction\.jsonl, line 2: record lacks 'ratio'"):
+        read_records([path])

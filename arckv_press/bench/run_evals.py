@@ -52,6 +52,7 @@ from arckv_press.bench import ROOT
 from arckv_press.methods import METHOD_NAMES
 from arckv_press.runinfo import add_option_argument
 from arckv_press.tasks.longbench.metrics import DATASET2METRIC
+from arckv_press.tasks._common.records import read_jsonl
 from arckv_press.tasks.names import RULER_GROUP, current_task_name, longbench_task
 
 DEFAULT_OUT = ROOT / "leaderboards" / "runs" / "lm_eval"
@@ -99,10 +100,8 @@ def folder_ids(folder: Path) -> dict[str, str] | None:
         return {key: str(stored.get(key) or "") for key in ID_KEYS}
     records = folder / "arckv_compaction.jsonl"
     if records.exists():
-        for line in records.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                stored = json.loads(line)
-                return {key: str(stored.get(key) or "") for key in ID_KEYS}
+        for stored in read_jsonl(records)[:1]:
+            return {key: str(stored.get(key) or "") for key in ID_KEYS}
     return None
 
 

@@ -36,6 +36,7 @@ from statistics import mean
 from typing import Any
 
 from arckv_press.bench import ROOT
+from arckv_press.tasks._common.records import read_jsonl
 from arckv_press.tasks.ruler.generate import TASKS as RULER_SPECS
 
 from .intervals import example_scores
@@ -176,20 +177,14 @@ def read_records(files: list[Path]) -> dict[tuple[str, str, str], list[dict]]:
     for path in files:
         latest: dict[tuple, dict] = {}
         folder = path.parent.resolve()
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not a JSON line ({exc})") from exc
+        for n, located in enumerate(read_jsonl(path)):
             for field in ("model", "press", "ratio"):
-                if field not in rec:
-                    raise ValueError(f"{path}:{n}: record lacks {field!r}")
-            doc = rec.get("document_sha1")
-            tasks = tuple(canonical_task(t) for t in rec.get("tasks") or ())
-            ident = (rec["model"], rec["press"], rec["ratio"], doc, tasks) if doc else (n,)
-            rec = {**rec, "_dir": folder}
+                if field not in located:
+                    raise ValueError(f"{located.where}: record lacks {field!r}")
+            doc = located.get("document_sha1")
+            tasks = tuple(canonical_task(t) for t in located.get("tasks") or ())
+            ident = (located["model"], located["press"], located["ratio"], doc, tasks) if doc else (n,)
+            rec = {**located, "_dir": folder}
             if "tasks" in rec:
                 rec["tasks"] = list(tasks)
             latest.pop(ident, None)                  # re-insert: keeps file order of the last copies
