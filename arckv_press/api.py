@@ -397,7 +397,7 @@ def _compact_am(run: _Run, budgets: torch.Tensor, repeat_pos: torch.Tensor, cont
             run.add({"repeat_prefill": time.perf_counter() - t0})
         X, Q = _layer_queries(layer_idx, repeat_store, context_queries, run.H)
         res = compact_layer(K, V, Q, budgets[li].to(K.device), _scaling(run.model, layer_idx), run.method,
-                            X=group_activations(X, run.G), layer_idx=layer_idx, group_size=run.G)
+                            X=group_activations(X, run.G), layer_idx=layer_idx)
         results[layer_idx] = res
         n_rows = max(n_rows, res.fit_rows)
         run.add(res.timings)

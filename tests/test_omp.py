@@ -458,22 +458,26 @@ def test_omp_anchors_are_the_am_search_and_fill_budgets_beyond_the_rows_with_top
     assert len(set(got)) == 20 and set(got) == set(first) | set(rest)
 
 
-def test_separate_pipeline_searches_omp_anchors_on_its_fit_rows():
-    """``compact_layer`` (the separate pipeline) with ``anchor_search="omp"`` takes OMP's anchors on
-    the rows of ``fit_positions`` (all query heads of each, GQA layout), not on the whole pool."""
-    from arckv_press.compaction.layer import LayerMethod, compact_layer
+def test_layer_step_searches_omp_anchors_on_its_budget_rows():
+    """The compaction's layer step with ``anchor_search="omp"`` takes OMP's anchors on its budget
+    rows (all query heads of each position, GQA layout), not on the whole pool."""
+    from arckv_press.compaction.layer import LayerMethod, compact_layer_from_stats
     from arckv_press.compaction.reference import grouped_rows
+    from arckv_press.compaction.stats import ReferenceStats, split_attention
 
     G, N = 2, 30
     Q, K, V = _random_qk(5, H=2, n=G * N, T=24, D=8, dtype=torch.float32)
+    st = ReferenceStats(2, G, N, 24, 8, "ha", "rms", block=16)
+    split_attention(Q.view(2, G, N, 8), K, V, (0, 24), 0.3, 0, 16, on_block=lambda a, blk: st.update(a, blk, V),
+                    keep_logits=st.needs_logits)
+    st = st.result()
     positions = torch.tensor([1, 4, 7, 9, 15, 20, 22, 28])
     budgets = torch.tensor([4, 6])
-    res = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", anchor_search="omp", fit_witnesses=False),
-                        fit_positions=positions, group_size=G)
+    method = LayerMethod("arckv-ha", anchor_search="omp", fit_witnesses=False)
+    res = compact_layer_from_stats(K, V, Q, st, budgets, 0.3, method, grouped_rows(positions, N, G))
     ref, ref_valid, _ = omp_select(Q[:, grouped_rows(positions, N, G)], K, budgets, 0.3, AM_OMP)
     for h in range(2):
         assert sorted(res.anchors[h, res.valid[h]].tolist()) == sorted(ref[h, ref_valid[h]].tolist())
-    other = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", anchor_search="omp", fit_witnesses=False),
-                          fit_positions=torch.arange(N), group_size=G)
+    other = compact_layer_from_stats(K, V, Q, st, budgets, 0.3, method, grouped_rows(torch.arange(N), N, G))
     assert any(set(res.anchors[h, res.valid[h]].tolist()) != set(other.anchors[h, other.valid[h]].tolist())
                for h in range(2))

@@ -3,8 +3,17 @@
 import pytest
 import torch
 
-from arckv_press.compaction.reference import grouped_rows
-from arckv_press.compaction.witness import anchor_witnesses, fit_positions_with_witnesses
+from arckv_press.compaction.stats import ReferenceStats, split_attention
+from arckv_press.compaction.witness import anchor_witnesses
+
+
+def _stats(Q, K, V, scaling, G=1, block=16):
+    """The reference pass's statistics of the rows ``Q [H, G * N, D]`` over the document ``K, V``."""
+    H, n, D = Q.shape
+    st = ReferenceStats(H, G, n // G, K.shape[1], V.shape[-1], "ha", "rms", block=block)
+    split_attention(Q.view(H, G, n // G, D), K, V, (0, K.shape[1]), scaling, 0, block,
+                    on_block=lambda a, blk: st.update(a, blk, V), keep_logits=st.needs_logits)
+    return st.result()
 
 
 def _brute_witness(Q, K, anchors, valid, scaling):
@@ -46,34 +55,12 @@ def test_witness_ties_go_to_the_lowest_row(block_rows):
     assert torch.equal(rows, _brute_witness(Q, K, anchors, torch.ones(H, T, dtype=torch.bool), 1.0))
 
 
-def test_fit_positions_unite_budget_and_witness_positions_of_all_heads():
-    """Positions (row mod N in the GQA layout) of every valid anchor's witness, over all heads,
-    united with the budget positions; sorted and without duplicates."""
-    g = torch.Generator().manual_seed(2)
-    H, G, N, T, D = 2, 3, 20, 30, 8
-    Q, K = torch.randn(H, G * N, D, generator=g), torch.randn(H, T, D, generator=g)
-    anchors = torch.tensor([[3, 17, 29, 0], [5, 6, 7, 8]])
-    valid = torch.tensor([[True, True, True, False], [True, True, True, True]])
-    base = torch.tensor([1, 4, 9])
-    pos = fit_positions_with_witnesses(Q, K, anchors, valid, 0.3, G, base)
-    brute = _brute_witness(Q, K, anchors, valid, 0.3)
-    expected = set(base.tolist()) | {int(brute[h, r]) % N for h in range(H) for r in range(4) if valid[h, r]}
-    assert pos.tolist() == sorted(expected)
-    # the gathered rows keep all G query heads of each position, head-major
-    rows = grouped_rows(pos, N, G)
-    assert rows.tolist() == [gi * N + p for gi in range(G) for p in pos.tolist()]
-
-
 def test_witness_errors():
     Q, K = torch.randn(2, 6, 4), torch.randn(2, 5, 4)
     with pytest.raises(ValueError, match=r"anchor index 5 at head 0 slot 1 is outside \[0, T=5\)"):
         anchor_witnesses(Q, K, torch.tensor([[0, 5], [1, 2]]), None, 1.0)
     with pytest.raises(TypeError, match="integer tensor"):
         anchor_witnesses(Q, K, torch.zeros(2, 2), None, 1.0)
-    with pytest.raises(ValueError, match="not a multiple of group_size=4"):
-        fit_positions_with_witnesses(Q, K, torch.zeros(2, 1, dtype=torch.long), None, 1.0, 4)
-    with pytest.raises(ValueError, match=r"base_positions must lie in \[0, N=3\)"):
-        fit_positions_with_witnesses(Q, K, torch.zeros(2, 1, dtype=torch.long), None, 1.0, 2, torch.tensor([3]))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -81,10 +68,10 @@ def test_witness_keeps_an_anchor_read_by_one_sharp_query(seed):
     """The failure the witnesses fix, on a synthetic head: position 40 is read sharply (p > 0.99) by
     one pooled query that is not among the budget rows. Fitting on the budget rows only, C_v at that
     anchor is shaped by queries that barely touch it and the sharp query's output is lost; with its
-    witness in the fit, compact_layer reproduces that output, and held-out diffuse queries do no
-    worse."""
+    witness in the fit, the compaction's layer step reproduces that output, and held-out diffuse
+    queries do no worse."""
     from arckv_press.compaction.fit import compact_attention, full_attention
-    from arckv_press.compaction.layer import LayerMethod, compact_layer
+    from arckv_press.compaction.layer import LayerMethod, compact_layer_from_stats
 
     g = torch.Generator().manual_seed(seed)
     T, D, n, star, sharp = 256, 16, 400, 40, 350
@@ -94,10 +81,11 @@ def test_witness_keeps_an_anchor_read_by_one_sharp_query(seed):
     Q[0, sharp] = 3.0 * K[0, star]
     scores = 0.1 * torch.rand(1, T, generator=g)
     scores[0, star] = 1.0
+    st = _stats(Q, K, V, 1.0)
     err, held = {}, {}
     for wit in (True, False):
-        res = compact_layer(K, V, Q, torch.tensor([48]), 1.0, LayerMethod("arckv-ha", fit_witnesses=wit),
-                            scores=scores, fit_positions=torch.arange(200), group_size=1)
+        res = compact_layer_from_stats(K, V, Q, st, torch.tensor([48]), 1.0, LayerMethod("arckv-ha", fit_witnesses=wit),
+                                       torch.arange(200), None, scores)
         assert res.fit_rows > 200 if wit else res.fit_rows == 200
         for name, rows, out in (("sharp", slice(sharp, sharp + 1), err), ("held", slice(200, 350), held)):
             q = Q[:, rows]

@@ -7,9 +7,10 @@ as an object with a ``scores(layer, X, Q, K, V, pooling)`` method). Methods:
 - ``arckv`` (learned indexer), ``arckv-ha``, ``arckv-vi``: top-t anchors from the scorer
   (chunked for long contexts, App. (KV-Based Chunking)), convex-hull key merging with
   ``lambda_m`` (Eqs. (response_profile)-(key_merge)), then beta (Eq. (mass_fit)) and C_v
-  (Eq. (value_lstsq); or the anchors' own values with ``fit.values="anchor"``). When the fits
-  use a subset of the scoring pool (``fit_positions``), each anchor's witness query joins that
-  subset (:mod:`.witness`; ``fit_witnesses``).
+  (Eq. (value_lstsq); or the anchors' own values with ``fit.values="anchor"``).
+  ``compact_layer`` merges and fits on every row of ``Q``; ``compact_layer_from_stats`` (the
+  compaction's path) on the budget rows plus each head's anchors' witness rows (:mod:`.witness`;
+  ``fit_witnesses``).
 - ``am-omp``, ``am-omp-fast``, ``am-ha``: the Attention Matching baselines (:mod:`.omp`).
 """
 
@@ -23,10 +24,9 @@ import torch
 from arckv_press.compaction.fit import FitConfig, compact_logits, fit_beta, fit_values
 from arckv_press.compaction.merge import assign_to_anchors, check_anchors, merge_keys
 from arckv_press.compaction.omp import AM_OMP, AM_OMP_FAST, am_compact, omp_select
-from arckv_press.compaction.reference import grouped_rows
 from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, topk_anchors, vi_scores
 from arckv_press.compaction.stats import ReferenceStats
-from arckv_press.compaction.witness import block_witnesses, fit_positions_with_witnesses, head_fit_rows
+from arckv_press.compaction.witness import block_witnesses, head_fit_rows
 from arckv_press.methods import Method
 from arckv_press.methods import method as lookup_method
 
@@ -201,32 +201,23 @@ def compact_layer(
     indexer=None,
     layer_idx: int = 0,
     scores: torch.Tensor | None = None,
-    fit_positions: torch.Tensor | None = None,
-    group_size: int = 1,
 ) -> LayerResult:
     """Compact one layer: ``K, V [H, T, D]``, reference queries ``Q [H, n, D]``, ``budgets [H]``.
 
     ``X [n, d_x]`` (rows aligned with ``Q``'s rows) and ``indexer`` are needed by ``arckv``.
     ``scores [H, T]``: anchor scores computed beforehand (see :func:`anchor_scores`); ARC-KV
     methods then skip their own scoring.
-    ``fit_positions``: ARC-KV only; ``Q`` is then a pool of ``n = group_size * N`` rows in the GQA
-    layout (row ``g * N + p``) and merging and the fits use only the rows of these positions
-    (plus each anchor's witness when ``method.fit_witnesses``); ``None`` = every row of ``Q``.
     Returns padded ``(C_k, beta, C_v)`` with a prefix ``valid`` mask per head.
     """
     timings: dict[str, float] = {}
     watch = _Stopwatch(timings)
     variant = method.definition.variant
     if variant is not None:
-        if fit_positions is not None:
-            raise ValueError(f"fit_positions applies to ARC-KV methods only, not {method.name!r}")
         with watch("am_total"):
             C_k, beta, C_v, idx, valid = am_compact(Q, K, V, budgets, scaling, variant)
         idx, valid, C_k, beta, C_v = _prefix_order(idx, valid, C_k, beta, C_v)
         return LayerResult(C_k, beta, C_v, valid, idx, None, timings, Q.shape[1])
 
-    if Q.shape[1] % group_size:
-        raise ValueError(f"Q has {Q.shape[1]} rows, not a multiple of group_size={group_size}")
     if scores is not None and tuple(scores.shape) != tuple(K.shape[:2]):
         raise ValueError(f"scores must have shape {tuple(K.shape[:2])} (heads x positions), got {tuple(scores.shape)}")
 
@@ -234,18 +225,11 @@ def compact_layer(
         return anchor_scores(method, Q, K, V, scaling, X, indexer, layer_idx) if scores is None else scores
 
     with watch("selection"):
-        if method.anchor_search != "scores":  # AM's search on the rows the fits use (the budget rows)
-            rows = Q if fit_positions is None else Q[:, grouped_rows(fit_positions, Q.shape[1] // group_size,
-                                                                       group_size).to(Q.device)]
-            idx, valid = omp_anchors(rows, K, budgets, scaling, method.anchor_search, own_scores)
+        if method.anchor_search != "scores":  # AM's search on the rows the fits use
+            idx, valid = omp_anchors(Q, K, budgets, scaling, method.anchor_search, own_scores)
         else:
             idx, valid = chunked_topk_anchors(own_scores(), budgets, method.chunk_len, method.chunk_min_length)
         idx, valid = _prefix_order(idx, valid)
-    if fit_positions is not None:
-        with watch("fit_rows"):
-            if method.fit_witnesses:
-                fit_positions = fit_positions_with_witnesses(Q, K, idx, valid, scaling, group_size, fit_positions)
-            Q = Q[:, grouped_rows(fit_positions, Q.shape[1] // group_size, group_size).to(Q.device)]
     check_anchors(idx, valid, K.shape[1])
     # Heads are merged and fitted one at a time at their own anchor count: under global budgets
     # the counts of one layer's heads differ a lot, and padding every head to the largest one

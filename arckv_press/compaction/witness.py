@@ -11,21 +11,21 @@ full-cache attention probability,
 
     i*(j) = argmax_i softmax_u(scaling q_i . k_u)_j        (ties: lowest row),
 
-i.e. the query that most needs that key. :func:`fit_positions_with_witnesses` adds the
-positions of all witnesses of a layer (union over its KV heads and valid anchors) to the
-fitting positions, so every anchor has at least its strongest query in the fit. All query
-heads of a position are kept together (GQA row layout of :mod:`.reference`), and every row is
-used once, so the least-squares fits stay unweighted.
+i.e. the query that most needs that key. Each KV head fits on the budget rows plus its own
+anchors' witness rows (:func:`head_fit_rows`), so every anchor has at least its strongest query in
+the fit; every row is used once, so the least-squares fits stay unweighted.
+:func:`block_witnesses` finds the witnesses inside the blocks the reference pass recorded;
+:func:`anchor_witnesses` is the direct search over every row.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .merge import check_anchor_inputs, check_anchors
+from .merge import check_anchor_inputs
 from .checks import check_positive_int, compute_dtype, row_blocks
 
-__all__ = ["anchor_witnesses", "block_witnesses", "fit_positions_with_witnesses", "head_fit_rows"]
+__all__ = ["anchor_witnesses", "block_witnesses", "head_fit_rows"]
 
 
 def anchor_witnesses(
@@ -56,37 +56,6 @@ def anchor_witnesses(
         best = torch.where(better, val, best)
         rows = torch.where(better, arg + lo, rows)
     return rows.masked_fill(~valid, 0)
-
-
-def fit_positions_with_witnesses(
-    Q: torch.Tensor,
-    K: torch.Tensor,
-    anchors: torch.Tensor,
-    valid: torch.Tensor | None,
-    scaling: float,
-    group_size: int,
-    base_positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Sorted unique positions ``[m]`` (CPU long) of the pool that feed merging and the fits.
-
-    ``Q [H, G * N, D]`` is the whole reference pool of a layer in the GQA row layout (row
-    ``g * N + p`` = position ``p`` of query head ``g``); ``base_positions`` are the budget
-    positions (``None``: none). Returns ``base_positions`` united with the positions of every
-    valid anchor's witness (:func:`anchor_witnesses`) over all KV heads. Gather the rows with
-    :func:`~arckv_press.compaction.reference.grouped_rows`.
-    """
-    check_positive_int(group_size, "group_size")
-    n = Q.shape[1]
-    if n % group_size:
-        raise ValueError(f"the pool has {n} rows per KV head, not a multiple of group_size={group_size}")
-    N = n // group_size
-    rows = anchor_witnesses(Q, K, anchors, valid, scaling)
-    valid = check_anchors(anchors, valid, K.shape[1])
-    witness = (rows[valid] % N).cpu()
-    base = torch.zeros(0, dtype=torch.long) if base_positions is None else base_positions.long().cpu()
-    if base.numel() and (int(base.min()) < 0 or int(base.max()) >= N):
-        raise ValueError(f"base_positions must lie in [0, N={N})")
-    return torch.unique(torch.cat([base, witness]), sorted=True)
 
 
 def head_fit_rows(witnesses: torch.Tensor, base_rows: torch.Tensor) -> torch.Tensor:
