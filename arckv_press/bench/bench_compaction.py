@@ -347,26 +347,106 @@ def _indexer_selection(indexer, X, Q, K, V, budgets, scaling, full_base, shrink:
     return chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
 
 
-def _fused_layer(K, V, Q4, budgets, scaling, method, base_rows, merge_rows) -> tuple[dict[str, float], torch.Tensor]:
-    """The default ARC-KV pipeline on one synthetic layer: the reference pass's statistics over every
-    row (as the repeat-prefill gathers them), then :func:`compact_layer_from_stats`; stage seconds and
-    the pass's HA scores over every row."""
-    from arckv_press.compaction.layer import compact_layer_from_stats
+def _reference_pass(K, V, Q4, scaling):
+    """The reference pass's statistics over every row (as the repeat-prefill gathers them) and its seconds."""
     from arckv_press.compaction.stats import ReferenceStats, split_attention
 
     H, G, N, D = Q4.shape
-    T = K.shape[1]
     t0 = time.perf_counter()
-    st = ReferenceStats(H, G, N, T, V.shape[-1])
-    split_attention(Q4, K, V, (0, T), scaling, 0, st.block, on_block=lambda a, blk: st.update(a, blk, V))
-    t1 = time.perf_counter()
-    res = compact_layer_from_stats(K, V, Q4.reshape(H, G * N, D), st.result(), budgets, scaling, method, base_rows,
-                                   merge_rows)
-    t2 = time.perf_counter()
-    return {"reference_pass": t1 - t0, **res.timings, "post": t2 - t1, "total": t2 - t0}, st.scores
+    st = ReferenceStats(H, G, N, K.shape[1], V.shape[-1])
+    split_attention(Q4, K, V, (0, K.shape[1]), scaling, 0, st.block, on_block=lambda a, blk: st.update(a, blk, V))
+    return st.result(), time.perf_counter() - t0
+
+
+def _post(K, V, Q4, stats, budgets, scaling, method, base_rows, merge_rows) -> dict[str, float]:
+    """Everything after the statistics pass (:func:`compact_layer_from_stats`): stage seconds, ``post``
+    (its wall time) and ``post_mib``, the peak resident memory above the stage's start (sampled)."""
+    from arckv_press.compaction.layer import compact_layer_from_stats
+
+    H, G, N, D = Q4.shape
+    with PeakRSS() as rss:
+        t0 = time.perf_counter()
+        res = compact_layer_from_stats(K, V, Q4.reshape(H, G * N, D), stats, budgets, scaling, method, base_rows,
+                                       merge_rows)
+        post = time.perf_counter() - t0
+    return {**res.timings, "post": post, "post_mib": rss.peak_mib}
+
+
+def _fused_layer(K, V, Q4, budgets, scaling, method, base_rows, merge_rows) -> tuple[dict[str, float], torch.Tensor]:
+    """The default ARC-KV pipeline on one synthetic layer: the reference pass, then
+    :func:`compact_layer_from_stats`; stage seconds and the pass's HA scores over every row."""
+    stats, seconds = _reference_pass(K, V, Q4, scaling)
+    post = _post(K, V, Q4, stats, budgets, scaling, method, base_rows, merge_rows)
+    return {"reference_pass": seconds, **post, "total": seconds + post["post"]}, stats.scores
+
+
+class PeakRSS:
+    """Peak resident memory of the process above its value at entry, in MiB (``peak_mib``), sampled every
+    ``interval`` seconds by a thread. Free memory the allocator still holds is returned to the system first
+    (glibc ``malloc_trim``, where there is one), so the stage's own allocations count."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.peak_mib = float("nan")
+
+    @staticmethod
+    def rss_bytes() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                import os
+
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            import psutil
+
+            return psutil.Process().memory_info().rss
+
+    def __enter__(self):
+        import ctypes
+        import ctypes.util
+        import threading
+
+        try:
+            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+        self.start = self.peak = self.rss_bytes()
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.wait(self.interval):
+                self.peak = max(self.peak, self.rss_bytes())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss_bytes())
+        self.peak_mib = (self.peak - self.start) / 2**20
+
+
+def growth_lines(Ts: list[int], post: dict[int, float], passes: dict[int, float], mib: dict[int, float],
+                 label: str) -> list[str]:
+    """Per doubling of T: the growth of ``post`` seconds and of its peak memory; at each T, post / pass."""
+    lines = []
+    for a, b in zip(Ts, Ts[1:]):
+        if a in post and b in post and b == 2 * a:
+            grow_mem = f"{mib[b] / mib[a]:.2f}x" if mib.get(a, 0) > 0 else "-"
+            lines.append(f"{label}: {a} -> {b}: post grows {post[b] / post[a]:.2f}x, its peak memory {grow_mem} "
+                         f"({mib[a]:.0f} -> {mib[b]:.0f} MiB)")
+    for T in Ts:
+        if T in post:
+            lines.append(f"{label}: T {T}: post / statistics pass = {post[T] / passes[T]:.3f} "
+                         f"({post[T]:.2f} s / {passes[T]:.2f} s)")
+    return lines
 
 
 def synthetic_section(args, meta: dict) -> list[dict]:
+    import dataclasses
+
     from arckv_press.config import SCORE_SHRINK, CompactionConfig
     from arckv_press.api import indexer_positions
     from arckv_press.compaction.omp import am_compact
@@ -374,7 +454,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
 
     H, G, D = 3, 3, 64
     scaling = D**-0.5
-    Ts = [T for T in (1024, 2048, 4096, 8192, 16384, 32768, 65536) if T <= args.max_T]
+    Ts = [T for T in (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072) if T <= args.max_T]
     indexer = _synthetic_indexer(H, D)
     config = CompactionConfig(method="arckv-ha")
     method = config.layer_method()
@@ -384,17 +464,21 @@ def synthetic_section(args, meta: dict) -> list[dict]:
           f"arckv-ha: the default pipeline, one reference row per query head and position (G T rows), its "
           f"statistics pass ('pass', done inside the repeat-prefill on a model) and everything after it ('post': "
           f"top-t, witnesses, merging on {config.merge_rows} rows, fits on the {config.query_budget} budget rows + "
-          f"witnesses). OMP-fast on n = max({args.queries}, 2t) rows. "
+          f"witnesses; above {method.chunk_min_length} positions merged and fitted in chunks of {method.chunk_len}), "
+          f"'MiB' its peak memory above its start. 'unchunked': the same post without chunks (the path below "
+          f"{method.chunk_min_length} positions), up to --unchunked-max-T {args.unchunked_max_T}. OMP-fast on "
+          f"n = max({args.queries}, 2t) rows. "
           + (f"Learned indexer: the shipped one, layer 0, selection with indexer_rows='corrected' (its scores on "
              f"{corrected.score_rows} budget rows, corrected by HA over every row)." if indexer is not None else
              "No learned indexer shipped."))
-    head = (f"{'T':>6} {'rho':>5} | {'pass s':>8} {'post s':>8} {'merge':>7} {'beta':>7} {'C_v':>7} {'total':>8} | "
-            f"{'idx-sel s':>9} | {'omp-fast s':>10} {'omp/post':>9}")
+    head = (f"{'T':>6} {'rho':>5} | {'pass s':>8} {'post s':>8} {'merge':>7} {'beta':>7} {'C_v':>7} {'MiB':>6} "
+            f"{'post/pass':>9} | {'unchunked':>9} {'MiB':>6} | {'idx-sel s':>9} | {'omp-fast s':>10} {'omp/post':>9}")
     print(head)
     print("-" * len(head), flush=True)
     rows = []
     gen = torch.Generator().manual_seed(args.seed)
     omp_stopped = omp_skipped = False
+    post_s, pass_s, post_mib, flat_s, flat_mib = ({} for _ in range(5))
 
     def timing_row(method_name: str, ratio: float, T: int, stage: str, seconds: float) -> dict:
         return {"section": "synthetic", "method": method_name, "ratio": f"{ratio:g}", "length": T, "stage": stage,
@@ -416,16 +500,28 @@ def synthetic_section(args, meta: dict) -> list[dict]:
         K, V = torch.randn(H, T, D, generator=gen), torch.randn(H, T, D, generator=gen)
         Q4 = torch.randn(H, G, T, D, generator=gen)
         base, merge, score = budget_rows(T)
+        stats, seconds = _reference_pass(K, V, Q4, scaling)
         for ratio in args.synthetic_ratios:
             t = max(1, int(ratio * T))
             budgets = torch.full((H,), t)
-            runs = [_fused_layer(K, V, Q4, budgets, scaling, method, base, merge) for _ in range(args.repeats)]
-            arc, full_base = median_stages([r[0] for r in runs]), runs[0][1]
+            runs = [_post(K, V, Q4, stats, budgets, scaling, method, base, merge) for _ in range(args.repeats)]
+            arc = {"reference_pass": seconds, **median_stages(runs)}
+            arc["total"] = seconds + arc["post"]
+            post_mib_T = arc.pop("post_mib")
+            flat = None
+            if T > method.chunk_min_length and T <= args.unchunked_max_T:
+                unchunked = dataclasses.replace(method, chunk_min_length=T)
+                flat = median_stages([_post(K, V, Q4, stats, budgets, scaling, unchunked, base, merge)
+                                      for _ in range(args.repeats)])
+            if ratio == args.synthetic_ratios[0]:
+                post_s[T], pass_s[T], post_mib[T] = arc["post"], seconds, post_mib_T
+                if flat is not None:
+                    flat_s[T], flat_mib[T] = flat["post"], flat["post_mib"]
             idx_sel = None
             if indexer is not None:
                 Qs = Q4.reshape(H, -1, D)[:, score]
                 X = torch.randn(Qs.shape[1], indexer.config.d_x, generator=gen)
-                idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Qs, K, V, budgets, scaling, full_base,
+                idx_sel = median_seconds(partial(_indexer_selection, indexer, X, Qs, K, V, budgets, scaling, stats.scores,
                                                  SCORE_SHRINK, Qs.shape[1] / (G * T)), args.repeats, warmup=0)
                 rows.append(timing_row("arckv", ratio, T, "selection", idx_sel))
             omp = None
@@ -434,19 +530,29 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                 omp = median_seconds(partial(am_compact, Qo, K, V, budgets, scaling, "omp-fast"), args.repeats, warmup=0)
                 omp_stopped = omp > args.omp_cap
             rows += [timing_row("arckv-ha", ratio, T, stage, sec) for stage, sec in arc.items()]
+            rows.append(timing_row("arckv-ha", ratio, T, "post_mib", post_mib_T))  # MiB in the seconds column
+            if flat is not None:
+                rows += [timing_row("arckv-ha", ratio, T, "post_unchunked", flat["post"]),
+                         timing_row("arckv-ha", ratio, T, "post_unchunked_mib", flat["post_mib"])]
             if omp is not None:
                 rows.append(timing_row("am-omp-fast", ratio, T, "total", omp))
             idx_txt = f"{idx_sel:>9.2f}" if idx_sel is not None else f"{'-':>9}"
+            flat_txt = f"{flat['post']:>9.2f} {flat['post_mib']:>6.0f}" if flat is not None else f"{'-':>9} {'-':>6}"
             if omp is None:
                 omp_skipped = True
                 omp_txt = f"{'skipped':>10} {'-':>9}"
             else:
                 omp_txt = f"{omp:>10.2f} {omp / arc['post']:>8.2f}x"
-            print(f"{T:>6} {ratio:>5g} | {arc['reference_pass']:>8.2f} {arc['post']:>8.2f} {arc.get('merge', 0):>7.2f} "
-                  f"{arc.get('beta_fit', 0):>7.2f} {arc.get('value_fit', 0):>7.2f} {arc['total']:>8.2f} | {idx_txt} | "
-                  f"{omp_txt}", flush=True)
+            print(f"{T:>6} {ratio:>5g} | {seconds:>8.2f} {arc['post']:>8.2f} {arc.get('merge', 0):>7.2f} "
+                  f"{arc.get('beta_fit', 0):>7.2f} {arc.get('value_fit', 0):>7.2f} {post_mib_T:>6.0f} "
+                  f"{arc['post'] / seconds:>9.3f} | {flat_txt} | {idx_txt} | {omp_txt}", flush=True)
+        del K, V, Q4, stats
     if omp_skipped:
         print(f"(OMP-fast not run beyond the first length where it took more than --omp-cap {args.omp_cap:g} s)")
+    print(f"\nrho {args.synthetic_ratios[0]:g}, from this run:")
+    for line in [*growth_lines(Ts, post_s, pass_s, post_mib, "default"),
+                 *growth_lines(sorted(flat_s), flat_s, pass_s, flat_mib, "unchunked")]:
+        print("  " + line)
     return rows
 
 
@@ -459,7 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratios", nargs="+", type=float, default=None, help="kept fractions (default 0.2 0.1 0.05 0.02 0.01)")
     p.add_argument("--lengths", nargs="+", type=parse_length, default=None, help="context tokens (default 1K 2K 4K 8K)")
     p.add_argument("--synthetic-ratios", nargs="+", type=float, default=[0.1], help="rho of the synthetic sweep")
-    p.add_argument("--max-T", type=int, default=None, help="longest synthetic length (default 65536; quick 4096)")
+    p.add_argument("--max-T", type=int, default=None, help="longest synthetic length (default 65536, at most 131072; "
+                                                            "quick 4096)")
+    p.add_argument("--unchunked-max-T", type=int, default=65536,
+                   help="longest synthetic length at which the unchunked post is timed too (default 65536)")
     p.add_argument("--queries", type=int, default=2048, help="synthetic reference rows per head")
     p.add_argument("--omp-cap", type=float, default=300.0, help="stop OMP-fast after a length taking longer (s)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats, median (default 3; quick 1)")

@@ -539,6 +539,22 @@ def _compact_probs(
     return torch.softmax(logits, dim=-1)
 
 
+def _probs_with_rest(
+    Qb: torch.Tensor, Ct: torch.Tensor, beta: torch.Tensor, hidden: torch.Tensor | None,
+    logits: torch.Tensor | None, rest_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax over ``[Qb C_k^T + beta | rest_lse]`` (one virtual slot per row holding the rest's mass):
+    the compact slots' probabilities ``[H, b, t]`` and the rest's ``[H, b]``."""
+    logits = torch.baddbmm(beta[:, None, :], Qb, Ct) if logits is None else logits + beta[:, None, :]
+    if hidden is not None:
+        logits.masked_fill_(hidden, -torch.inf)
+    m = torch.maximum(logits.amax(-1), rest_lse)
+    e = torch.exp(logits - m[..., None])
+    e_rest = torch.exp(rest_lse - m)
+    den = e.sum(-1) + e_rest
+    return e / den[..., None], e_rest / den
+
+
 def full_attention(
     Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scaling: float, block_rows: int = 256
 ) -> torch.Tensor:
@@ -546,17 +562,27 @@ def full_attention(
 
     Computed in float32 (float64 for float64 inputs), blockwise over rows; differentiable.
     """
+    return attention_lse(Q, K, V, scaling, block_rows)[1].to(V.dtype)
+
+
+def attention_lse(
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scaling: float, block_rows: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lse, O)``: each row's log-sum-exp of ``scaling Q K^T`` ``[H, n]`` and its output
+    softmax(scaling Q K^T) V ``[H, n, Dv]`` (paper Eq. (full_attention)), both float32 (float64 for
+    float64 inputs), blockwise over rows."""
     check_qk(Q, K)
     check_values(V, K)
     scaling = check_scaling(scaling)
     check_positive_int(block_rows, "block_rows")
     cd = compute_dtype(Q, K, V)
     Kt, Vc = K.to(cd).transpose(1, 2), V.to(cd)
-    out = [
-        torch.softmax((Q[:, lo:hi].to(cd) * scaling) @ Kt, dim=-1) @ Vc
-        for lo, hi in row_blocks(Q.shape[1], block_rows)
-    ]
-    return torch.cat(out, dim=1).to(V.dtype)
+    lse, out = [], []
+    for lo, hi in row_blocks(Q.shape[1], block_rows):
+        logits = (Q[:, lo:hi].to(cd) * scaling) @ Kt
+        lse.append(torch.logsumexp(logits, dim=-1))
+        out.append(torch.softmax(logits, dim=-1) @ Vc)
+    return torch.cat(lse, dim=1), torch.cat(out, dim=1)
 
 
 def _check_compact_cache(
@@ -625,6 +651,7 @@ def fit_values(
     fixed: torch.Tensor | None = None,
     fixed_values: torch.Tensor | None = None,
     logits: list[torch.Tensor] | None = None,
+    rest: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Compact values C_v ``[H, t, Dv]`` (dtype of K), paper Eq. (value_lstsq).
 
@@ -645,6 +672,13 @@ def fit_values(
     C_F = argmin ||P_F C - (Y - P_U fixed_values_U)||_F^2 + lambda ||C||_F^2 (P over every slot).
 
     ``logits``: :func:`compact_logits` ``(Q, C_k, scaling, config.block_rows)`` (as for :func:`fit_beta`).
+
+    ``rest = (rest_lse [H, n], rest_out [H, n, Dv])``: keys outside ``K`` that every row also sees
+    unchanged (the other chunks of a chunk-separable fit, :mod:`.chunks`), given by each row's
+    log-sum-exp over them and its output over them alone. They act as one more fixed slot per row:
+    P_hat is the softmax over ``[C_k + beta | rest_lse]`` and the rest's share times ``rest_out`` is
+    taken from Y, C = argmin ||P_C C - (Y - p_rest rest_out)||_F^2 + lambda ||C||_F^2 (with ``Y`` the
+    output over ``K`` and the rest together). ``rest_lse = -inf`` is a row with no rest.
     """
     check_qk(Q, K)
     check_values(V, K)
@@ -673,6 +707,19 @@ def fit_values(
             raise ValueError(f"Y must have shape {(*Q.shape[:2], V.shape[-1])} (rows of Q x value width), got {tuple(Y.shape)}")
     if (fixed is None) != (fixed_values is None):
         raise ValueError("pass fixed and fixed_values together")
+    if rest is not None:
+        if Y is None:
+            raise ValueError("rest needs Y, the output over K and the rest together")
+        if not isinstance(rest, tuple) or len(rest) != 2:
+            raise TypeError("rest must be a (rest_lse, rest_out) pair")
+        if not (isinstance(rest[0], torch.Tensor) and rest[0].is_floating_point() and rest[0].ndim == 2):
+            raise TypeError("rest_lse must be a 2-D floating tensor")
+        if bool(torch.isnan(rest[0]).any() or torch.isposinf(rest[0]).any()):
+            raise ValueError("rest_lse contains NaN or +inf (-inf, a row with no rest, is allowed)")
+        check_float(rest[1], "rest_out", 3)
+        if tuple(rest[0].shape) != tuple(Q.shape[:2]) or tuple(rest[1].shape) != tuple(Y.shape):
+            raise ValueError(f"rest must have shapes {tuple(Q.shape[:2])} and {tuple(Y.shape)}, got "
+                             f"{tuple(rest[0].shape)} and {tuple(rest[1].shape)}")
     free = None
     if fixed is not None:
         check_float(fixed_values, "fixed_values", 3)
@@ -694,7 +741,12 @@ def fit_values(
     for bi, (lo, hi) in enumerate(row_blocks(Q.shape[1], config.block_rows)):
         Qb = Q[:, lo:hi].to(cd) * scaling
         Yb = torch.softmax(Qb @ Kt, dim=-1) @ Vc if Y is None else Y[:, lo:hi]
-        P = _compact_probs(Qb, Ct, bc, hidden, None if logits is None else logits[bi])
+        if rest is None:
+            P = _compact_probs(Qb, Ct, bc, hidden, None if logits is None else logits[bi])
+        else:
+            P, p_rest = _probs_with_rest(Qb, Ct, bc, hidden, None if logits is None else logits[bi],
+                                         rest[0][:, lo:hi].to(cd))
+            Yb = Yb.to(cd) - p_rest[..., None] * rest[1][:, lo:hi].to(cd)   # what the rest leaves
         if free is not None:
             Yb = Yb.to(cd) - P @ C_fixed                                 # what the fixed slots leave
             P = free.columns(P)
@@ -774,6 +826,7 @@ __all__ = [
     "fit_beta",
     "fit_values",
     "full_attention",
+    "attention_lse",
     "compact_attention",
     "attention_mass_error",
 ]

@@ -8,9 +8,10 @@ as an object with a ``scores(layer, X, Q, K, V, pooling)`` method). Methods:
   (chunked for long contexts, App. (KV-Based Chunking)), convex-hull key merging with
   ``lambda_m`` (Eqs. (response_profile)-(key_merge)), then beta (Eq. (mass_fit)) and C_v
   (Eq. (value_lstsq); or the anchors' own values with ``fit.values="anchor"``).
-  ``compact_layer`` merges and fits on every row of ``Q``; ``compact_layer_from_stats`` (the
-  compaction's path) on the budget rows plus each head's anchors' witness rows (:mod:`.witness`;
-  ``fit_witnesses``).
+  ``compact_layer`` merges and fits on every row of ``Q``, over the whole document;
+  ``compact_layer_from_stats`` (the compaction's path) on the budget rows plus each head's anchors'
+  witness rows (:mod:`.witness`; ``fit_witnesses``), and chunk by chunk for documents longer than
+  ``chunk_min_length`` (:mod:`.chunks`).
 - ``am-omp``, ``am-omp-fast``, ``am-ha``: the Attention Matching baselines (:mod:`.omp`).
 """
 
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from arckv_press.compaction.fit import FitConfig, compact_logits, fit_beta, fit_values
+from arckv_press.compaction.chunks import chunk_bounds, rest_of_chunk
+from arckv_press.compaction.fit import FitConfig, attention_lse, compact_logits, fit_beta, fit_values
 from arckv_press.compaction.merge import assign_to_anchors, check_anchors, merge_keys
 from arckv_press.compaction.omp import AM_OMP, AM_OMP_FAST, am_compact, omp_select
 from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, topk_anchors, vi_scores
@@ -45,7 +47,9 @@ class LayerMethod:
         name: one of ``arckv``, ``arckv-ha``, ``arckv-vi``, ``am-omp``, ``am-omp-fast``, ``am-ha``.
         lambda_m: key-merging coefficient of Eq. (key_merge) (ARC-KV only; 0 = no merging).
         pooling: row pooling of Eq. (indexer_pooling): ``rms`` (paper), ``mean`` or ``max``.
-        chunk_len / chunk_min_length: chunked top-t for long contexts (App. KV-Based Chunking).
+        chunk_len / chunk_min_length: for documents longer than ``chunk_min_length``, contiguous chunks
+            of ``chunk_len`` positions: chunked top-t (App. KV-Based Chunking) and, in
+            :func:`compact_layer_from_stats`, merging and fits inside each chunk (:mod:`.chunks`).
         fit: beta / C_v fitting options.
         block: position block of the merge assignment (bounds memory; 256 keeps the ``[n, block]``
             profiles in the CPU caches).
@@ -266,7 +270,10 @@ def compact_layer_from_stats(
     top-t of ``scores`` (default ``stats.scores``); each head fits beta (Eq. (mass_fit)) and C_v
     (Eq. (value_lstsq)) on ``base_rows`` plus its own anchors' witness rows
     (:func:`~.witness.head_fit_rows`), with the full-cache targets taken from ``stats``, so no
-    stage reads all of ``Q`` against all of ``K`` again.
+    stage reads all of ``Q`` against all of ``K`` again. Documents longer than
+    ``method.chunk_min_length`` are merged and fitted chunk by chunk (:mod:`.chunks`): each chunk's
+    anchors absorb only its positions and fit on the budget rows plus their own witnesses, with the
+    chunk's exact mass and the rest of the document as targets.
     """
     if method.definition.family != "arckv":
         raise ValueError(f"compact_layer_from_stats is for ARC-KV methods, not {method.name!r}")
@@ -293,29 +300,46 @@ def compact_layer_from_stats(
     C_k, C_v = K.new_zeros(H, t_max, K.shape[2]), V.new_zeros(H, t_max, V.shape[2])
     beta = torch.zeros(H, t_max, dtype=torch.float32, device=K.device)
     w = torch.zeros(H, t_max, dtype=torch.float32, device=K.device)
+    T = K.shape[1]
+    local = T > method.chunk_min_length  # chunk-local merging and fits (:mod:`.chunks`)
+    chunks = chunk_bounds(T, method.chunk_len, method.chunk_min_length)
     n_rows = 0
     for h in range(H):
         t_h = int(valid[h].sum())
-        with watch("fit_rows"):
-            rows = head_fit_rows(witnesses[h, :t_h], base_rows) if method.fit_witnesses else base_rows.to(K.device)
-            n_rows = max(n_rows, rows.numel())
-            Qh = Q[h, rows][None]
-            targets = (row_max[h, rows][None], row_lse[h, rows][None])
-            Qm = Qh if merge_rows is None else Q[h, merge_rows.to(K.device)][None]
-        ck, b, cv, wh = _compact_head(K[h:h + 1], V[h:h + 1], Qh, idx[h:h + 1, :t_h], scaling, method, watch,
-                                      Q_merge=Qm, targets=targets, Y=row_out[h, rows][None])
-        C_k[h, :t_h], beta[h, :t_h], C_v[h, :t_h], w[h, :t_h] = ck[0], b[0].float(), cv[0], wh[0]
+        anchors = idx[h, :t_h]
+        for lo, hi in chunks:
+            slots = ((anchors >= lo) & (anchors < hi)).nonzero().flatten() if local else torch.arange(t_h, device=K.device)
+            if not slots.numel():
+                continue
+            with watch("fit_rows"):
+                rows = head_fit_rows(witnesses[h, slots], base_rows) if method.fit_witnesses else base_rows.to(K.device)
+                n_rows = max(n_rows, rows.numel())
+                Qh, Y = Q[h, rows][None], row_out[h, rows][None]
+                Qm = Qh if merge_rows is None else Q[h, merge_rows.to(K.device)][None]
+            Kc, Vc = K[h:h + 1, lo:hi], V[h:h + 1, lo:hi]
+            rest = None
+            if local:
+                with watch("chunk_targets"):  # the chunk's own mass, and the rest of the document exactly
+                    lse_c, out_c = attention_lse(Qh, Kc, Vc, scaling, method.fit.block_rows)
+                    rest = rest_of_chunk(row_lse[h, rows][None], Y, lse_c, out_c)
+                    targets = (row_max[h, rows][None], lse_c)
+            else:
+                targets = (row_max[h, rows][None], row_lse[h, rows][None])
+            ck, b, cv, wh = _compact_head(Kc, Vc, Qh, anchors[slots][None] - lo, scaling, method, watch,
+                                          Q_merge=Qm, targets=targets, Y=Y, rest=rest)
+            C_k[h, slots], beta[h, slots], C_v[h, slots], w[h, slots] = ck[0], b[0].float(), cv[0], wh[0]
     return LayerResult(C_k, beta, C_v, valid, idx, w, timings, n_rows)
 
 
 def _compact_head(
     K: torch.Tensor, V: torch.Tensor, Q: torch.Tensor, idx: torch.Tensor, scaling: float, method: LayerMethod, watch,
-    Q_merge: torch.Tensor | None = None, targets=None, Y: torch.Tensor | None = None,
+    Q_merge: torch.Tensor | None = None, targets=None, Y: torch.Tensor | None = None, rest=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge (Eq. (key_merge)), beta (Eq. (mass_fit)) and C_v (Eq. (value_lstsq)) of one head whose
     ``t`` anchors ``idx [1, t]`` are all valid; returns ``(C_k, beta, C_v, w)``. ``Q_merge``: the
     rows of the response profiles (default ``Q``); ``targets`` / ``Y``: the full-cache row
-    statistics of ``Q``'s rows (:func:`~.fit.fit_beta`, :func:`~.fit.fit_values`)."""
+    statistics of ``Q``'s rows (:func:`~.fit.fit_beta`, :func:`~.fit.fit_values`); ``rest``: the
+    document outside ``K`` when ``K`` is one chunk of it (:func:`~.chunks.rest_of_chunk`)."""
     valid = torch.ones_like(idx, dtype=torch.bool)
     Qm = Q if Q_merge is None else Q_merge
     assignment = None
@@ -341,5 +365,5 @@ def _compact_head(
         else:
             prior = V_S if method.fit.value_prior == "anchor" else None
             C_v = fit_values(Q, K, V, C_k, beta, scaling, valid, method.fit, prior=prior, Y=Y,
-                             fixed=fixed, fixed_values=None if fixed is None else V_S, logits=logits)
+                             fixed=fixed, fixed_values=None if fixed is None else V_S, logits=logits, rest=rest)
     return C_k, beta, C_v, w

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .chunks import chunk_bounds
 from .checks import (
     check_float,
     check_nonnegative,
@@ -437,15 +438,12 @@ def chunked_topk_anchors(
     as :func:`topk_anchors`, positions ascending.
     """
     budgets = _check_scores_budgets(scores, budgets)
-    check_positive_int(chunk_len, "chunk_len")
-    if isinstance(min_length, bool) or not isinstance(min_length, int) or min_length < 0:
-        raise ValueError(f"min_length must be an int >= 0, got {min_length}")
     H, T = scores.shape
+    chunks = chunk_bounds(T, chunk_len, min_length)
     if T <= min_length:
         return topk_anchors(scores, budgets)
     idx_parts, valid_parts = [], []
-    for start in range(0, T, chunk_len):
-        stop = min(start + chunk_len, T)
+    for start, stop in chunks:
         Tc = stop - start
         tc = torch.round(budgets.double() * Tc / T).long().clamp(1, Tc)
         idx_c, valid_c = topk_anchors(scores[:, start:stop], tc)
