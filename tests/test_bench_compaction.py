@@ -8,17 +8,20 @@ from conftest import assert_ratio_of_rounded, load_script
 def test_synthetic_sweep_prints_the_ratio_of_the_timings_it_writes(tmp_path, capsys, monkeypatch):
     mod = load_script("bench_compaction")
     out = tmp_path / "bench.csv"
-    argv = ["--skip-model", "--max-T", "1024", "--queries", "64", "--repeats", "1", "--synthetic-ratios", "0.05",
+    argv = ["--skip-model", "--max-T", "2048", "--queries", "64", "--repeats", "1", "--synthetic-ratios", "0.05",
             "--out", str(out)]
     scored, real = [], mod._indexer_selection
     monkeypatch.setattr(mod, "_indexer_selection", lambda *a: scored.append((a[2].shape[1], *a[-2:])) or real(*a))
     assert mod.main(argv) == 0
     # the learned indexer is timed as its default indexer_rows="corrected": score_rows (512) of the budget
     # rows, G = 3, with the default shrinkage and the sampled share of the G T rows
-    assert scored and set(scored) == {(512 // 3 * 3, 0.1, 512 // 3 * 3 / (3 * 1024))}
+    assert scored and set(scored) == {(512 // 3 * 3, 0.1, 512 // 3 * 3 / (3 * T)) for T in (1024, 2048)}
     rows = list(csv.DictReader(out.open()))
-    assert {r["section"] for r in rows} == {"synthetic"} and {r["length"] for r in rows} == {"1024"}
+    assert {r["section"] for r in rows} == {"synthetic"} and {r["length"] for r in rows} == {"1024", "2048"}
+    post = {r["length"]: float(r["seconds"]) for r in rows if r["method"] == "arckv-ha" and r["stage"] == "post"}
+    rows = [r for r in rows if r["length"] == "1024"]
     arc = {r["stage"]: float(r["seconds"]) for r in rows if r["method"] == "arckv-ha"}
+    assert arc["post_mib"] >= 0  # the post stage's peak memory above its start
     # the whole default pipeline: the statistics pass, then selection, witnesses, merging and fits
     assert {"reference_pass", "selection", "fit_rows", "merge", "beta_fit", "value_fit", "post", "total"} <= set(arc)
     assert all(v >= 0 for v in arc.values())
@@ -27,9 +30,16 @@ def test_synthetic_sweep_prints_the_ratio_of_the_timings_it_writes(tmp_path, cap
     (omp,) = [float(r["seconds"]) for r in rows if r["method"] == "am-omp-fast"]
     (idx_sel,) = [float(r["seconds"]) for r in rows if r["method"] == "arckv"]  # the shipped indexer's selection
     assert {r["stage"] for r in rows if r["method"] == "arckv"} == {"selection"} and idx_sel > 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.split()[:2] == ["1024", "0.05"])
+    printed = capsys.readouterr().out.splitlines()
+    line = next(l for l in printed if l.split()[:2] == ["1024", "0.05"])
     omp_post = float(line.split()[-1].rstrip("x"))
     assert_ratio_of_rounded(omp_post, omp, arc["post"], csv_decimals=4)  # CSV keeps 4 decimals, the print 2
+    # the growth per doubling printed is that of the written post times
+    growth = next(l for l in printed if "default: 1024 -> 2048: post grows" in l)
+    assert_ratio_of_rounded(float(growth.split("post grows ")[1].split("x")[0]), post["2048"], post["1024"], csv_decimals=4)
+    ratio = next(l for l in printed if "default: T 1024: post / statistics pass" in l)
+    assert_ratio_of_rounded(float(ratio.split("= ")[1].split()[0]), arc["post"], arc["reference_pass"], csv_decimals=4,
+                            print_decimals=3)
 
 
 def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys):

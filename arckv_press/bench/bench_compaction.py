@@ -27,14 +27,19 @@ the repeat-prefill's.
 Synthetic part: the default ARC-KV pipeline on random ``K, V [H, T, D]`` and one reference row per
 query head and position (``Q [H, G, T, D]``, H = 3, G = 3, D = 64): the statistics pass
 (``reference_pass``, which the repeat-prefill does on a model) and everything after it
-(``post``: top-t, witnesses, merging, fits), against ``am_compact(..., "omp-fast")`` on
-n = max(``--queries`` (2048), 2 t) rows, T from 1024 up to ``--max-T``. OMP-fast is not run at a
-length once a shorter one took more than ``--omp-cap`` seconds. When the default model's indexer
+(``post``: top-t, witnesses, merging, fits; chunk by chunk above the default ``chunk_min_length``)
+with its peak resident memory above its start (``post_mib``, MiB in the ``seconds`` column), the same
+post without chunks up to ``--unchunked-max-T`` (``post_unchunked``, ``post_unchunked_mib``), against
+``am_compact(..., "omp-fast")`` on n = max(``--queries`` (2048), 2 t) rows, T from 1024 up to
+``--max-T`` (at most 131072). OMP-fast is not run at a length once a shorter one took more than
+``--omp-cap`` seconds. The growth of post and of its memory per doubling of T, and post / pass at
+each T, are printed from the same run. When the default model's indexer
 is shipped, its default anchor selection (``indexer_rows="corrected"``: layer 0's parameters on
 ``score_rows`` of the budget rows, corrected by the pass's HA scores) is timed too.
 
     python scripts/bench_compaction.py --quick
     python scripts/bench_compaction.py --lengths 1K 2K 4K 8K --repeats 3 --max-T 65536
+    python scripts/bench_compaction.py --skip-model --max-T 131072 --repeats 1 --threads 2
     python scripts/bench_compaction.py --summary --methods arckv-ha am-omp-fast --ratios 0.1 --lengths 4K 8K
 
 Writes ``leaderboards/bench_compaction.csv`` (long format: one row per section / method / rho /
