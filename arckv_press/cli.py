@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train-indexer"]:  # its own parser (scripts/train_indexer.py's arguments)
-        from arckv_press.indexer.run import main as train_main
+        from arckv_press.indexer.driver import main as train_main
 
         return train_main(argv[1:])
     try:

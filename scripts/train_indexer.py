@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train the ARC-KV value-aware indexer of a base model and ship it (paper Sec. 3.5).
 
-Thin entry point: everything lives in :mod:`arckv_press.indexer.run` (steps, resumability,
+Thin entry point: everything lives in :mod:`arckv_press.indexer.driver` (steps, resumability,
 sharding, threads, defaults; see its docstring). Typical CPU run for the default model::
 
     python scripts/train_indexer.py --pools-only --pool-shard 0/2 &   # reference pools
@@ -10,7 +10,7 @@ sharding, threads, defaults; see its docstring). Typical CPU run for the default
     python scripts/train_indexer.py --layers 15-29 &
     python scripts/train_indexer.py --merge                           # -> arckv_press/indexer/weights/...
 
-Default hyperparameters (``arckv_press.indexer.run.DEFAULTS``): KL warm-up 6 epochs at peak lr
+Default hyperparameters (``arckv_press.indexer.driver.DEFAULTS``): KL warm-up 6 epochs at peak lr
 1e-2, joint stage (2 L_out^STE + L_KL) 3 epochs at peak lr 3e-3, KL on 128 random rows of the
 pool per episode, episode split (score, fit, holdout) = (0.3, 0.4, 0.3) of the reference
 positions, all training contexts (``--max-contexts N``: the first N) of 1.2K-1.8K tokens, 1,024
@@ -59,7 +59,7 @@ KL epoch over 20 pools takes ~3.5 s, one joint epoch ~20 s per layer on one (sha
 
 import sys
 
-from arckv_press.indexer.run import main
+from arckv_press.indexer.driver import main
 
 if __name__ == "__main__":
     sys.exit(main())

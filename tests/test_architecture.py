@@ -66,7 +66,7 @@ LAYERS = (
     ("models", "cache", "capture", "config", "framing", "indexer"),
     ("api", "generation", "haystack"),
     ("presses", "registry", "lm_eval", "cli", "tasks"),
-    ("fidelity", "probes", "runinfo", "bench"),
+    ("reconstruction", "probe_metrics", "runinfo", "bench"),
 )
 
 

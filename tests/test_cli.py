@@ -139,7 +139,7 @@ def test_train_indexer_subcommand_is_the_training_script(monkeypatch, capsys):
     ``scripts/train_indexer.py`` runs, whose own parser (--layers, --merge, ...) answers --help."""
     import pytest
 
-    import arckv_press.indexer.run as run
+    from arckv_press.indexer import driver
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train-indexer", "--help"])
@@ -147,6 +147,6 @@ def test_train_indexer_subcommand_is_the_training_script(monkeypatch, capsys):
     usage = capsys.readouterr().out
     assert "--layers" in usage and "--merge" in usage and "--residual" in usage
     seen = []
-    monkeypatch.setattr(run, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(driver, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["train-indexer", "--layers", "0,1", "--threads", "1"]) == 0
     assert seen == [["--layers", "0,1", "--threads", "1"]]

@@ -229,7 +229,7 @@ def test_residual_form_at_zero_head_weights_scores_like_ha(pooling):
 
 
 def test_residual_config_round_trip_and_validation(tiny_model):
-    from arckv_press.indexer.run import RunSettings
+    from arckv_press.indexer.driver import RunSettings
     from arckv_press.models import describe_attention_layout
 
     cfg = tiny_config(base_logit_scale=0.25)

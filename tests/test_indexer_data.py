@@ -1,5 +1,5 @@
 """Tests of the indexer's training data (``arckv_press.indexer.data``) and of the training driver
-(``arckv_press.indexer.run``: pools -> layer shards -> merge) on a tiny random model."""
+(``arckv_press.indexer.driver``: pools -> layer shards -> merge) on a tiny random model."""
 
 from __future__ import annotations
 
@@ -206,39 +206,39 @@ def _args(tmp_path, *extra):
 
 
 def test_train_script_smoke_shards_resume_and_merge(tiny_model, tiny_tokenizer, tmp_path, capsys):
-    from arckv_press.indexer import run
+    from arckv_press.indexer import driver
 
     model, tok = _tiny(tiny_model, tiny_tokenizer)
     _write_squad(tmp_path / "squad.json", _fake_articles(n_articles=8, n_paragraphs=4, seed=1))
-    assert run.main(_args(tmp_path, "--pools-only"), model, tok) == 0
-    shard_dir = run.default_shard_dir(model, tmp_path / "cache")
+    assert driver.main(_args(tmp_path, "--pools-only"), model, tok) == 0
+    shard_dir = driver.default_shard_dir(model, tmp_path / "cache")
     with pytest.raises(ValueError, match="no finished shard for layers \\[0, 1\\]"):
-        run.main(_args(tmp_path, "--merge", "--out", str(tmp_path / "ck")), model, tok)
-    assert run.main(_args(tmp_path, "--layers", "0"), model, tok) == 0
-    assert run.layer_shard_path(shard_dir, 0).is_file() and not run.layer_shard_path(shard_dir, 1).exists()
+        driver.main(_args(tmp_path, "--merge", "--out", str(tmp_path / "ck")), model, tok)
+    assert driver.main(_args(tmp_path, "--layers", "0"), model, tok) == 0
+    assert driver.layer_shard_path(shard_dir, 0).is_file() and not driver.layer_shard_path(shard_dir, 1).exists()
 
     # layer 1 in two time slices (resume) == layer 1 in one go (another shard dir)
-    args = run.build_parser().parse_args(_args(tmp_path))
-    settings = run.settings_from_args(args)
-    train_ctx, _, _ = run._contexts(args, tok)
+    args = driver.build_parser().parse_args(_args(tmp_path))
+    settings = driver.settings_from_args(args)
+    train_ctx, _, _ = driver._contexts(args, tok)
     pool_paths = [D.pool_path(D.default_pool_dir(model, tmp_path / "cache"), model, c.text,
                               D.PoolSettings(24)) for c in train_ctx]
     from arckv_press.models import model_id
 
     assert D.default_pool_dir(model_id(model), tmp_path / "cache") == D.default_pool_dir(model, tmp_path / "cache")
-    assert run.train_shard(model, pool_paths, shard_dir, settings, [1], False, max_epochs=1) == []
-    assert run.layer_state_path(shard_dir, 1).is_file()
-    assert run.train_shard(model, pool_paths, shard_dir, settings, [1], False) == [1]
-    assert not run.layer_state_path(shard_dir, 1).exists()
-    run.train_shard(model, pool_paths, tmp_path / "one_go", settings, [1], False)
-    a, meta_a = run.read_shard(run.layer_shard_path(shard_dir, 1))
-    b, meta_b = run.read_shard(run.layer_shard_path(tmp_path / "one_go", 1))
+    assert driver.train_shard(model, pool_paths, shard_dir, settings, [1], False, max_epochs=1) == []
+    assert driver.layer_state_path(shard_dir, 1).is_file()
+    assert driver.train_shard(model, pool_paths, shard_dir, settings, [1], False) == [1]
+    assert not driver.layer_state_path(shard_dir, 1).exists()
+    driver.train_shard(model, pool_paths, tmp_path / "one_go", settings, [1], False)
+    a, meta_a = driver.read_shard(driver.layer_shard_path(shard_dir, 1))
+    b, meta_b = driver.read_shard(driver.layer_shard_path(tmp_path / "one_go", 1))
     assert all(torch.equal(a[k], b[k]) for k in a) and meta_a["metrics"] == meta_b["metrics"]
     assert [m["stage"] for m in meta_a["metrics"]] == ["kl", "joint"]
     assert a["error_curves"].shape == (2, len(settings.curve_fractions))
 
     out = tmp_path / "ck"
-    assert run.main(_args(tmp_path, "--merge", "--out", str(out)), model, tok) == 0
+    assert driver.main(_args(tmp_path, "--merge", "--out", str(out)), model, tok) == 0
     indexer, meta, bw = load_indexer(out, model_id=model_id(model), config_hash=config_hash(model.config))
     assert bw.shape == (2, 2) and bw.sum().item() == pytest.approx(1.0) and (bw > 0).all()
     for k in PARAM_NAMES:
@@ -247,17 +247,17 @@ def test_train_script_smoke_shards_resume_and_merge(tiny_model, tiny_tokenizer, 
     # load_shard_layers: the layers of a shard dir replace a checkpoint's, the others stay
     fresh = ValueAwareIndexer(indexer.config, seed=7)
     before = {k: v.clone() for k, v in fresh.layer_params(0).items()}
-    assert run.load_shard_layers(fresh, tmp_path / "one_go") == [1]
+    assert driver.load_shard_layers(fresh, tmp_path / "one_go") == [1]
     for k in PARAM_NAMES:
         torch.testing.assert_close(fresh.layer_params(1)[k], b[k])
         assert torch.equal(fresh.layer_params(0)[k], before[k])
     with pytest.raises(ValueError, match="no finished layer shard"):
-        run.load_shard_layers(fresh, tmp_path)
+        driver.load_shard_layers(fresh, tmp_path)
     # shards of another indexer size: their config is read back, and they never go into this indexer
-    assert run.shard_config(tmp_path / "one_go") == indexer.config
+    assert driver.shard_config(tmp_path / "one_go") == indexer.config
     wider = ValueAwareIndexer(replace(indexer.config, n_index_heads=3), seed=7)
     with pytest.raises(ValueError, match="have indexer config"):
-        run.load_shard_layers(wider, tmp_path / "one_go")
+        driver.load_shard_layers(wider, tmp_path / "one_go")
     tr = meta.training
     assert tr["source_file"] == "squad.json" and tr["train_contexts"]["contexts"] == 3
     assert tr["epochs"] == {"kl": 1, "joint": 1} and tr["run_fingerprint"] and meta.package_version
@@ -265,23 +265,23 @@ def test_train_script_smoke_shards_resume_and_merge(tiny_model, tiny_tokenizer, 
 
     # a shard from other settings is refused, never mixed
     with pytest.raises(ValueError, match="another run"):
-        run.main(_args(tmp_path, "--layers", "0", "--lr-kl", "0.5"), model, tok)
+        driver.main(_args(tmp_path, "--layers", "0", "--lr-kl", "0.5"), model, tok)
     with pytest.raises(ValueError, match="different settings"):
-        run.main(_args(tmp_path, "--merge", "--out", str(out), "--lr-kl", "0.5"), model, tok)
+        driver.main(_args(tmp_path, "--merge", "--out", str(out), "--lr-kl", "0.5"), model, tok)
 
 
 def test_ridge_v_flag_sets_the_training_fit_and_the_run_fingerprint(tiny_model, tmp_path):
     from arckv_press.compaction.fit import FitConfig
-    from arckv_press.indexer import run
+    from arckv_press.indexer import driver
 
-    default = run.settings_from_args(run.build_parser().parse_args(_args(tmp_path)))
-    ridged = run.settings_from_args(run.build_parser().parse_args(_args(tmp_path, "--ridge-v", "0.1")))
+    default = driver.settings_from_args(driver.build_parser().parse_args(_args(tmp_path)))
+    ridged = driver.settings_from_args(driver.build_parser().parse_args(_args(tmp_path, "--ridge-v", "0.1")))
     assert default.train.fit_config is None
     assert ridged.train.fit_config == FitConfig(ridge_v=0.1)
     model, pools = tiny_model("llama", num_layers=2, seed=0), [tmp_path / "a.safetensors"]
-    assert run.run_fingerprint(model, pools, default) != run.run_fingerprint(model, pools, ridged)
+    assert driver.run_fingerprint(model, pools, default) != driver.run_fingerprint(model, pools, ridged)
     with pytest.raises(ValueError, match="ridge_v"):
-        run.settings_from_args(run.build_parser().parse_args(_args(tmp_path, "--ridge-v", "-1")))
+        driver.settings_from_args(driver.build_parser().parse_args(_args(tmp_path, "--ridge-v", "-1")))
 
 
 @pytest.mark.parametrize("base", ["ha", "vi"])
@@ -289,23 +289,23 @@ def test_residual_flag_trains_and_merges_a_residual_checkpoint(tiny_model, tiny_
     """``--residual [ha|vi]``: its own run fingerprint (never mixed with the paper's indexer's
     shards), and the merged checkpoint adds the model's attention logit with the model's own
     softmax scale (HA base) or VI's log-influence (VI base)."""
-    from arckv_press.indexer import run
+    from arckv_press.indexer import driver
     from arckv_press.models import describe_attention_layout, model_id
 
     model, tok = _tiny(tiny_model, tiny_tokenizer)
     _write_squad(tmp_path / "squad.json", _fake_articles(n_articles=8, n_paragraphs=4, seed=1))
     resid = (*_args(tmp_path, "--kl-epochs", "0"), "--residual", *([] if base == "ha" else [base]))
-    plain = run.settings_from_args(run.build_parser().parse_args(_args(tmp_path, "--kl-epochs", "0")))
-    settings = run.settings_from_args(run.build_parser().parse_args(resid))
-    other = run.settings_from_args(run.build_parser().parse_args(
+    plain = driver.settings_from_args(driver.build_parser().parse_args(_args(tmp_path, "--kl-epochs", "0")))
+    settings = driver.settings_from_args(driver.build_parser().parse_args(resid))
+    other = driver.settings_from_args(driver.build_parser().parse_args(
         (*_args(tmp_path, "--kl-epochs", "0"), "--residual", "vi" if base == "ha" else "ha")))
     assert settings.residual == base
     pools = [tmp_path / "a.safetensors"]
-    prints = {run.run_fingerprint(model, pools, x) for x in (plain, settings, other)}
+    prints = {driver.run_fingerprint(model, pools, x) for x in (plain, settings, other)}
     assert len(prints) == 3
-    assert run.main([*resid, "--layers", "0-1"], model, tok) == 0
+    assert driver.main([*resid, "--layers", "0-1"], model, tok) == 0
     out = tmp_path / "ck"
-    assert run.main([*resid, "--merge", "--out", str(out)], model, tok) == 0
+    assert driver.main([*resid, "--merge", "--out", str(out)], model, tok) == 0
     indexer, meta, _ = load_indexer(out, model_id=model_id(model), config_hash=config_hash(model.config))
     assert indexer.config.base_logit_scale == describe_attention_layout(model).scaling
     assert indexer.config.base_value_influence == (base == "vi")
@@ -319,7 +319,7 @@ def test_merge_on_a_hybrid_model_ships_its_global_layers(tiny_model, tiny_tokeni
     full-attention layers only; the merged checkpoint holds those layers' trained parameters, the
     sliding layers' initial ones with budget weight 0, and ``arckv`` compacts with it."""
     from arckv_press.api import compact
-    from arckv_press.indexer import run
+    from arckv_press.indexer import driver
     from arckv_press.models import describe_attention_layout, model_id
 
     model, tok = tiny_model("gemma3", num_layers=4, seed=0), tiny_tokenizer()
@@ -328,15 +328,15 @@ def test_merge_on_a_hybrid_model_ships_its_global_layers(tiny_model, tiny_tokeni
     _write_squad(tmp_path / "squad.json", _fake_articles(n_articles=8, n_paragraphs=4, seed=1))
     resid = (*_args(tmp_path, "--kl-epochs", "0"), "--residual")
     with pytest.raises(ValueError, match="not full-attention layers"):
-        run.main([*resid, "--layers", "0"], model, tok)
-    assert run.main([*resid, "--layers", "1,3"], model, tok) == 0
+        driver.main([*resid, "--layers", "0"], model, tok)
+    assert driver.main([*resid, "--layers", "1,3"], model, tok) == 0
     out = tmp_path / "ck"
-    assert run.main([*resid, "--merge", "--out", str(out)], model, tok) == 0
+    assert driver.main([*resid, "--merge", "--out", str(out)], model, tok) == 0
     indexer, _, bw = load_indexer(out, model_id=model_id(model), config_hash=config_hash(model.config))
-    shard_dir = run.default_shard_dir(model, tmp_path / "cache")
-    fresh = ValueAwareIndexer(indexer.config, seed=run.RunSettings().init_seed)
+    shard_dir = driver.default_shard_dir(model, tmp_path / "cache")
+    fresh = ValueAwareIndexer(indexer.config, seed=driver.RunSettings().init_seed)
     for layer in range(4):
-        want = run.read_shard(run.layer_shard_path(shard_dir, layer))[0] if layer in full else fresh.layer_params(layer)
+        want = driver.read_shard(driver.layer_shard_path(shard_dir, layer))[0] if layer in full else fresh.layer_params(layer)
         for k in PARAM_NAMES:
             assert torch.equal(indexer.layer_params(layer)[k], want[k]), (layer, k)
     assert bw[[0, 2]].eq(0).all() and (bw[full] > 0).all() and bw.sum().item() == pytest.approx(1.0)

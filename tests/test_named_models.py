@@ -14,7 +14,7 @@ from arckv_press import models
 from conftest import build_tiny_tokenizer, load_script
 
 SCRIPTS_WITH_A_MODEL = ("bench_compaction", "bench_dtype", "bench_fidelity", "bench_questions", "eval_selectors",
-                        "fidelity", "probes", "run_evals")
+                        "reconstruction", "probes", "run_evals")
 
 
 @pytest.fixture

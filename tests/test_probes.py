@@ -1,4 +1,4 @@
-"""The continuation-damage probe (``arckv_press.probes``) and ``scripts/bench_fidelity.py``'s summary,
+"""The continuation-damage probe (``arckv_press.probe_metrics``) and ``scripts/bench_fidelity.py``'s summary,
 against independent references: one plain forward over the concatenated ids, and hand-computed
 means."""
 
@@ -14,7 +14,7 @@ import torch
 
 from arckv_press.capture import framing_for
 from arckv_press.compaction.fit import FitConfig
-from arckv_press.probes import continuation_damage, continuation_probe, reference_nlls
+from arckv_press.probe_metrics import continuation_damage, continuation_probe, reference_nlls
 from arckv_press.registry import make_press
 from conftest import load_script, make_text
 
@@ -159,7 +159,7 @@ def test_probes_refuses_a_csv_without_the_dtype_indexer_or_config_id_column(tmp_
 
 
 def test_split_documents_skips_leading_tokens(tiny_tokenizer):
-    from arckv_press.probes import split_documents
+    from arckv_press.probe_metrics import split_documents
 
     tok = tiny_tokenizer()
     text = make_text(400, seed=5)

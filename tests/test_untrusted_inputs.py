@@ -52,25 +52,25 @@ class _Payload:
 def _training_setup(tiny_model, tiny_tokenizer, tmp_path):
     """A tiny model, its reference pools and the run settings of a 2-epoch training run."""
     from arckv_press.indexer import data as D
-    from arckv_press.indexer import run
+    from arckv_press.indexer import driver
     from test_indexer_data import _args, _fake_articles, _write_squad
 
     model, tok = tiny_model("llama", num_layers=2, seed=0), tiny_tokenizer()
     _write_squad(tmp_path / "squad.json", _fake_articles(n_articles=8, n_paragraphs=4, seed=1))
-    assert run.main(_args(tmp_path, "--pools-only"), model, tok) == 0
-    args = run.build_parser().parse_args(_args(tmp_path))
-    settings = run.settings_from_args(args)
-    train_ctx, _, _ = run._contexts(args, tok)
+    assert driver.main(_args(tmp_path, "--pools-only"), model, tok) == 0
+    args = driver.build_parser().parse_args(_args(tmp_path))
+    settings = driver.settings_from_args(args)
+    train_ctx, _, _ = driver._contexts(args, tok)
     pools = [D.pool_path(D.default_pool_dir(model, tmp_path / "cache"), model, c.text, D.PoolSettings(24))
              for c in train_ctx]
     return model, pools, settings
 
 
 def test_resume_files_with_a_pickle_payload_are_refused_and_never_run(tiny_model, tiny_tokenizer, tmp_path):
-    from arckv_press.indexer import run
+    from arckv_press.indexer import driver
 
     model, pools, settings = _training_setup(tiny_model, tiny_tokenizer, tmp_path)
-    fp = run.run_fingerprint(model, pools, settings)
+    fp = driver.run_fingerprint(model, pools, settings)
     marker = tmp_path / "payload_ran"
     crafted = tmp_path / "crafted.pt"
     torch.save({"fingerprint": fp, "state": _Payload(marker), "elapsed": 0.0}, crafted)
@@ -85,30 +85,30 @@ def test_resume_files_with_a_pickle_payload_are_refused_and_never_run(tiny_model
     legacy = shard_dir / "layer_01.state.pt"
     legacy.write_bytes(crafted.read_bytes())
     with pytest.raises(ValueError, match=r"layer_01\.state\.pt is a resume state in the pickle format.*delete it"):
-        run.train_shard(model, pools, shard_dir, settings, [1], False)
+        driver.train_shard(model, pools, shard_dir, settings, [1], False)
     assert not marker.exists()
     legacy.unlink()
 
     # the same bytes under the new name: not a safetensors file, refused by name
-    state_file = run.layer_state_path(shard_dir, 1)
+    state_file = driver.layer_state_path(shard_dir, 1)
     state_file.write_bytes(crafted.read_bytes())
     with pytest.raises(ValueError, match=r"layer_01\.state\.safetensors is not a readable safetensors resume state"):
-        run.train_shard(model, pools, shard_dir, settings, [1], False)
+        driver.train_shard(model, pools, shard_dir, settings, [1], False)
     assert not marker.exists()
-    assert not run.layer_shard_path(shard_dir, 1).exists()
+    assert not driver.layer_shard_path(shard_dir, 1).exists()
 
 
 def test_a_genuine_resume_state_resumes_and_a_foreign_or_edited_one_is_refused(tiny_model, tiny_tokenizer, tmp_path):
     from safetensors import safe_open
 
     from arckv_press.indexer import checkpoint as ck
-    from arckv_press.indexer import run
+    from arckv_press.indexer import driver
 
     model, pools, settings = _training_setup(tiny_model, tiny_tokenizer, tmp_path)
-    fp = run.run_fingerprint(model, pools, settings)
+    fp = driver.run_fingerprint(model, pools, settings)
     shard_dir = tmp_path / "sliced"
-    assert run.train_shard(model, pools, shard_dir, settings, [1], False, max_epochs=1) == []
-    state_file = run.layer_state_path(shard_dir, 1)
+    assert driver.train_shard(model, pools, shard_dir, settings, [1], False, max_epochs=1) == []
+    state_file = driver.layer_state_path(shard_dir, 1)
     with safe_open(str(state_file), framework="pt") as f:  # a safetensors file with the run's fingerprint
         meta = f.metadata()
     assert meta["format"] == ck.RESUME_FORMAT and meta["fingerprint"] == fp
@@ -127,7 +127,7 @@ def test_a_genuine_resume_state_resumes_and_a_foreign_or_edited_one_is_refused(t
     bad["state"]["params"][name] = torch.zeros(3)
     ck.save_resume_state(edited, bad, fp)
     with pytest.raises(ValueError, match=f"parameter '{name}' must be a tensor of shape"):
-        run.train_shard(model, pools, edited.parent, settings, [1], False)
+        driver.train_shard(model, pools, edited.parent, settings, [1], False)
     # a header whose JSON names a tensor the file does not hold
     from safetensors.torch import save_file
 
@@ -142,10 +142,10 @@ def test_a_genuine_resume_state_resumes_and_a_foreign_or_edited_one_is_refused(t
         ck.save_resume_state(tmp_path / "x.safetensors", {"state": _Payload(tmp_path / "m")}, fp)
 
     # the genuine state resumes: the same layer as one uninterrupted run
-    assert run.train_shard(model, pools, shard_dir, settings, [1], False) == [1]
-    run.train_shard(model, pools, tmp_path / "one_go", settings, [1], False)
-    a, meta_a = run.read_shard(run.layer_shard_path(shard_dir, 1))
-    b, meta_b = run.read_shard(run.layer_shard_path(tmp_path / "one_go", 1))
+    assert driver.train_shard(model, pools, shard_dir, settings, [1], False) == [1]
+    driver.train_shard(model, pools, tmp_path / "one_go", settings, [1], False)
+    a, meta_a = driver.read_shard(driver.layer_shard_path(shard_dir, 1))
+    b, meta_b = driver.read_shard(driver.layer_shard_path(tmp_path / "one_go", 1))
     assert all(torch.equal(a[k], b[k]) for k in a) and meta_a["metrics"] == meta_b["metrics"]
     assert not state_file.exists()
 

@@ -70,7 +70,7 @@ def split_documents_of(split: str, tokenizer, haystack: str, n_docs: int, doc_to
                        skip_tokens: int = DEV_SKIP_TOKENS) -> list[tuple[str, list[int]]]:
     """The ``(document, continuation ids)`` pairs of ``split``: ``test`` cuts the second half of the
     haystack text, ``dev`` the first half after its first ``skip_tokens`` tokens."""
-    from arckv_press.probes import split_documents
+    from arckv_press.probe_metrics import split_documents
 
     half = len(haystack) // 2
     if split == "test":
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from arckv_press.haystack import default_haystack_path, load_haystack
     from arckv_press.models import load_model, model_id
-    from arckv_press.probes import continuation_damage, reference_nlls
+    from arckv_press.probe_metrics import continuation_damage, reference_nlls
     from arckv_press.registry import make_press, press_options
 
     if default_haystack_path() is None:  # rows and reference NLLs are keyed by document index: same text always

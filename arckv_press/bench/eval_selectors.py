@@ -70,7 +70,7 @@ from arckv_press.indexer.data import (
     load_squad_articles,
 )
 from arckv_press.indexer.model import ValueAwareIndexer
-from arckv_press.indexer.run import load_shard_layers, parse_layers, shard_config
+from arckv_press.indexer.driver import load_shard_layers, parse_layers, shard_config
 from arckv_press.runinfo import run_meta
 
 RATIOS = (0.2, 0.1, 0.05, 0.02, 0.01)

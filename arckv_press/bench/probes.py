@@ -32,7 +32,7 @@ from arckv_press.runinfo import run_meta
 from arckv_press.compaction.fit import FitConfig
 from arckv_press.haystack import load_haystack
 from arckv_press.models import load_model, model_help, model_id
-from arckv_press.probes import continuation_probe, needle_probe, split_documents
+from arckv_press.probe_metrics import continuation_probe, needle_probe, split_documents
 from arckv_press.registry import make_press, result_ids
 
 FIT_KEYS = {"values": "values", "prior": "value_prior", "ridge": "ridge_v"}  # probe key -> FitConfig field

@@ -1,4 +1,4 @@
-"""Tests for arckv_press.fidelity against independent references (numpy/scipy, per-head loops)."""
+"""Tests for arckv_press.reconstruction against independent references (numpy/scipy, per-head loops)."""
 
 import statistics
 
@@ -9,7 +9,7 @@ from scipy.special import logsumexp
 
 from arckv_press.compaction.merge import merge_keys
 from arckv_press.compaction.reference import group_queries_by_kv_head, split_episode
-from arckv_press.fidelity import (
+from arckv_press.reconstruction import (
     disjoint_windows,
     evenly_spaced,
     format_pm,

@@ -1,4 +1,4 @@
-"""Small pure helpers for the cache-reconstruction fidelity study (``scripts/fidelity.py``).
+"""Small pure helpers for the cache-reconstruction fidelity study (``scripts/reconstruction.py``).
 
 The study reproduces paper Table (motivation_reconstruction) (Sec. "Cache Reconstruction
 Outperforms Token Eviction in Fidelity", App. (background_operators)) and the key-merging

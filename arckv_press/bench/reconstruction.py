@@ -21,9 +21,9 @@ it dominates the run time) reports E_mass = ||Z_c - Z_f|| / ||Z_f|| on the fit r
 paper (``--mass-holdout`` adds the held-out rows) and the share of anchors with w <= 0 (beta at
 its floor).
 
-    python scripts/fidelity.py --quick                 # 2 articles, 6 layers (~11 min under load)
-    python scripts/fidelity.py                         # 2 articles, all 30 layers, sweep on 6
-    python scripts/fidelity.py --articles 10 --sweep-layers all --mass-holdout
+    python scripts/reconstruction.py --quick                 # 2 articles, 6 layers (~11 min under load)
+    python scripts/reconstruction.py                         # 2 articles, all 30 layers, sweep on 6
+    python scripts/reconstruction.py --articles 10 --sweep-layers all --mass-holdout
 
 Writes ``--out`` (one row per article x layer x KV head x construction x mass solver) and
 ``<out stem>_lambda.csv`` (one row per article x layer x KV head x ratio x lambda_m), and prints
@@ -62,7 +62,7 @@ from arckv_press.compaction.reference import (
     subsample_rows,
 )
 from arckv_press.compaction.select import ha_scores, per_head_budgets, topk_anchors
-from arckv_press.fidelity import (
+from arckv_press.reconstruction import (
     SOURCES,
     disjoint_windows,
     format_pm,
@@ -277,7 +277,7 @@ def lambda_layer(Qf, Qh, K, scaling, args) -> list[dict]:
     """Table 4: E_mass and dead-anchor share for every (rho, lambda_m), ls_clamp mass fit.
 
     One merge at lambda_m = 1 gives the centroids mu; C_k(lambda) = (1 - lambda) K_S + lambda mu
-    equals merge_keys(lambda) exactly (tests/test_fidelity.py).
+    equals merge_keys(lambda) exactly (tests/test_reconstruction.py).
     """
     rows = []
     for ratio in args.ratio_grid:
