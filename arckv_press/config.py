@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -58,7 +58,8 @@ class CompactionConfig:
     The options of one layer's steps (``pooling``, ``chunk_len``, ``chunk_min_length``, ``fit``,
     ``fit_scope``, ``anchor_search``, ``fit_witnesses``; ``lambda_m`` as used) are described once,
     on :class:`~arckv_press.compaction.layer.LayerMethod`, which :meth:`layer_method` builds; below
-    are what this class adds to them.
+    are what this class adds to them. ``fit`` also takes a dict of
+    :class:`~arckv_press.compaction.fit.FitConfig` fields (unknown keys are refused).
 
     Attributes:
         method: ``arckv`` (learned indexer), ``arckv-ha``, ``arckv-vi``, ``am-omp``,
@@ -151,6 +152,14 @@ class CompactionConfig:
 
     def __post_init__(self) -> None:
         lookup_method(self.method, ours=True)
+        if isinstance(self.fit, dict):  # e.g. --option "fit={'b_min': 0.0}", or a JSON config
+            unknown = sorted(set(self.fit) - {f.name for f in fields(FitConfig)})
+            if unknown:
+                raise ValueError(f"fit has no option(s) {unknown}; FitConfig's are "
+                                 f"{[f.name for f in fields(FitConfig)]}")
+            self.fit = FitConfig(**self.fit)
+        if not isinstance(self.fit, FitConfig):
+            raise TypeError(f"fit must be a FitConfig or a dict of its fields, got {type(self.fit).__name__}")
         check_ratio(self.ratio)
         if not 0.0 <= self.context_fraction <= 1.0:
             raise ValueError(f"context_fraction must be in [0, 1], got {self.context_fraction}")

@@ -549,6 +549,25 @@ def test_config_id_covers_the_options_that_shape_a_result():
     assert method_config_id("snapkv", 0.1) == method_config_id("none", 1.0) == ""
 
 
+def test_fit_options_as_a_dict():
+    """``fit`` also takes a dict of FitConfig fields (what ``--option "fit={...}"`` and JSON configs give):
+    the same config, the same id; an unknown key or another type is refused by name."""
+    from arckv_press.config import config_id
+    from arckv_press.compaction.fit import FitConfig
+
+    as_dict = CompactionConfig(method="arckv-ha", fit={"b_min": 0.0, "mass_solver": "nnls"})
+    as_config = CompactionConfig(method="arckv-ha", fit=FitConfig(b_min=0.0, mass_solver="nnls"))
+    assert as_dict.fit == as_config.fit and isinstance(as_dict.fit, FitConfig)
+    assert config_id(as_dict) == config_id(as_config) != config_id(CompactionConfig(method="arckv-ha"))
+    assert CompactionConfig(method="arckv-ha", fit={}).fit == FitConfig()
+    with pytest.raises(ValueError, match=r"no option\(s\) \['bmin'\]"):
+        CompactionConfig(method="arckv-ha", fit={"bmin": 0.0})
+    with pytest.raises(ValueError, match="gram_dtype"):  # FitConfig's own validation still applies
+        CompactionConfig(method="arckv-ha", fit={"gram_dtype": "float16"})
+    with pytest.raises(TypeError, match="fit must be a FitConfig or a dict"):
+        CompactionConfig(method="arckv-ha", fit=0.5)
+
+
 def test_ratio_schedule_gives_the_defaults_and_explicit_options_win():
     """``lambda_m=None`` / ``anchor_search=None`` (defaults) take RATIO_SCHEDULE's step at the kept
     fraction: the step boundaries are inclusive, every kept fraction in (0, 1] is covered, and the
