@@ -490,7 +490,7 @@ def test_every_run_folder_is_declared_and_every_plot_is_there():
     for bench in benchmarks:
         for kind in ("ratio", "time"):
             assert (sources.plots / f"{bench}_score_vs_{kind}.png").is_file(), bench
-    assert (sources.plots / "probes.png").is_file()
+    assert (sources.plots / "probes.png").is_file() and (sources.plots / "long_context_scaling.png").is_file()
 
 
 def test_plots_are_the_same_bytes_from_the_same_rows(ml, tmp_path):
@@ -784,6 +784,14 @@ def test_development_split_labels_rows_by_their_options_and_todays_defaults():
     assert damage[("arckv-ha", "keep 10%'s options")] == {"0.02": (0.5, 1)}
     assert damage[("arckv-ha", "config feedfacecafe")] == {"0.02": (pytest.approx(0.8), 2)}  # a command's claim is checked
     assert ("arckv-ha", "config " + cur["arckv-ha"][0.1]) in dev_damage(rows)  # without the label: its id
+    # documents of another length get rows of their own, and another model's rows are not this model's
+    longer = {**rows[1], "doc_tokens": "7800", "damage": "0.8"}
+    other_model = {**rows[1], "model": "google/gemma-3-270m", "damage": "0.9"}
+    damage_more = dev_damage([*rows, longer, other_model], labels)
+    assert damage_more[("arckv-ha", "default")] == {"0.1": (pytest.approx(0.3), 2)}
+    assert damage_more[("arckv-ha", "default, 7,800-token docs")] == {"0.1": (0.8, 1)}
+    assert dev_damage([*rows, other_model], labels, model_id="google/gemma-3-270m") == {
+        ("arckv-ha", "default"): {"0.1": (0.9, 1)}}
     lines = dev_split_markdown(rows, labels).splitlines()
     assert lines[0] == "| method | options | keep 10% | keep 2% |"
     assert lines[2] == "| `arckv-ha` | default | 0.300 |  |"
@@ -850,6 +858,32 @@ def test_compaction_time_table_is_the_last_run_with_todays_defaults():
     assert shown == ["  4000 tok, rho 0.1, arckv-ha: post/prefill 0.50; repeat/prefill 2.00; "
                      "am-omp-fast select+fit / arckv-ha post 10.00x; end to end 2.40x"]  # no goals of a past issue
     assert f"- {shown[0].strip()}" in lines
+
+
+def test_long_context_table_and_plot_are_the_newest_synthetic_sweep(tmp_path):
+    """The long-context block shows the newest synthetic run only (an older sweep and another kept
+    fraction are left out): seconds per stage, post / pass and the growth per doubling computed from
+    the rows, blanks where a stage was not run; the plot is drawn from the same run."""
+    from arckv_press.bench.leaderboard.plots import plot_long_context
+    from arckv_press.bench.study_tables import long_context_markdown
+
+    def r(method, stage, T, seconds, command="sweep B", date="d2", ratio="0.1"):
+        return {"section": "synthetic", "method": method, "ratio": ratio, "length": str(T), "stage": stage,
+                "seconds": str(seconds), "date": date, "command": command, "machine": "cpu X", "threads": "2"}
+
+    rows = [r("arckv-ha", "post", 1024, 99.0, command="sweep A", date="d1"),
+            r("arckv-ha", "post", 1024, 7.0, ratio="0.2")]
+    for T, passed, post, mib in ((1024, 2.0, 1.0, 10.0), (2048, 8.0, 2.5, 30.0)):
+        rows += [r("arckv-ha", "reference_pass", T, passed), r("arckv-ha", "post", T, post),
+                 r("arckv-ha", "merge", T, post / 5), r("arckv-ha", "post_mib", T, mib)]
+    rows += [r("arckv-ha", "post_unchunked", 2048, 4.0), r("am-omp-fast", "total", 1024, 3.0)]
+    lines = long_context_markdown(rows).splitlines()
+    assert lines[0] == "Run of d2 on cpu X, keep 10%: `sweep B`"
+    body = [line for line in lines if line.startswith("| 1,024") or line.startswith("| 2,048")]
+    assert body[0] == "| 1,024 | 2.00 | 1.00 | 0.20 |  |  | 0.500 |  | 10 |  |  |  |  | 3.00 |"
+    assert body[1] == "| 2,048 | 8.00 | 2.50 | 0.50 |  |  | 0.312 | 2.50x | 30 | 3.00x | 4.00 |  |  |  |"
+    assert plot_long_context(rows, tmp_path).name == "long_context_scaling.png"
+    assert plot_long_context([], tmp_path) is None
 
 
 def test_evidence_cost_sums_compactions_times_seconds():

@@ -654,6 +654,22 @@ def last_model_run(rows: list[dict], ids: CurrentIds | None = None, methods=None
     return {k: last[k] for k in ("date", "command", "machine")}, results
 
 
+def last_synthetic_run(rows: list[dict], ratio: float = 0.1) -> tuple[dict[str, str], dict[int, dict[str, float]]]:
+    """The newest synthetic-section run (the rows of one command and date) at kept fraction ``ratio``:
+    ``(run, by_length)`` with ``run`` its ``date``, ``command``, ``machine`` and ``threads`` and
+    ``by_length[T] = {"method/stage": seconds}`` (``post_mib`` stages hold MiB). The newest is the
+    last such run in the file; an interrupted run counts."""
+    rows = [r for r in rows if r["section"] == "synthetic" and abs(float(r["ratio"]) - ratio) < 1e-9]
+    if not rows:
+        raise ValueError(f"no synthetic-section rows at keep {ratio:g}")
+    last = rows[-1]
+    by_length: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if (r["date"], r["command"]) == (last["date"], last["command"]):
+            by_length.setdefault(int(r["length"]), {})[f"{r['method']}/{r['stage']}"] = float(r["seconds"])
+    return {k: last[k] for k in ("date", "command", "machine", "threads")}, dict(sorted(by_length.items()))
+
+
 def summary_from_csv(args) -> None:
     """Print the model section's summary and ratios from ``args.out``, from the rows of one run: the
     last one on ``--threads`` threads that wrote a row for these methods and lengths with the options

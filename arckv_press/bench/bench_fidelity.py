@@ -57,6 +57,7 @@ from arckv_press.runinfo import (
 DEFAULT_OUT = ROOT / "leaderboards" / "bench_fidelity.csv"
 DEV_OUT = ROOT / "leaderboards" / "studies" / "fidelity_dev.csv"
 DEV_SKIP_TOKENS = 16384  # the dev documents start this far into the first half (past every haystack)
+DOC_TOKENS = 1500  # --doc-tokens default: the length of the reported and development documents
 DEFAULT_METHODS = ("arckv", "arckv-ha", "arckv-vi", "am-omp", "am-omp-fast", "am-ha", "snapkv", "kvzip",
                    "expected_attention", "knorm", "streaming_llm")
 DEFAULT_RATIOS = (0.2, 0.1, 0.05, 0.02, 0.01)
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="+", choices=sorted(m for m in METHODS if m != "none"), default=None)
     p.add_argument("--ratios", nargs="+", type=float, default=None, help="kept fractions (default the five)")
     p.add_argument("--docs", type=int, default=None, help="held-out documents (default 8)")
-    p.add_argument("--doc-tokens", type=int, default=1500)
+    p.add_argument("--doc-tokens", type=int, default=DOC_TOKENS)
     p.add_argument("--cont-tokens", type=int, default=256)
     p.add_argument("--quick", action="store_true", help="2 documents, 3 methods, keep 20%% and 10%%")
     p.add_argument("--model", default=None, help=model_help())

@@ -36,12 +36,12 @@ from arckv_press.runinfo import read_rows
 from .leaderboard.doc_blocks import update_doc
 from .leaderboard.doc_tables import benchmark_markdown, best_markdown, headline_markdown
 from .leaderboard.intervals import COMPARISON_FIELDS, add_intervals, comparisons
-from .leaderboard.plots import plot_benchmark, plot_probes
+from .leaderboard.plots import plot_benchmark, plot_long_context, plot_probes
 from .leaderboard.readers import current_rows, read_fidelity, read_needle, read_records, read_results
 from .leaderboard.sources import DEFAULT_MANIFEST, Sources, load_sources
 from .leaderboard.table import fill_references, key_of, sorted_unique, summary_markdown, write_csv
-from .study_tables import (compaction_time_markdown, dev_split_markdown, evidence_cost_markdown, read_config_labels,
-                           selectors_markdown)
+from .study_tables import (compaction_time_markdown, dev_split_markdown, evidence_cost_markdown, long_context_markdown,
+                           read_config_labels, selectors_markdown)
 
 __all__ = ["GeneratedTable", "TABLES", "read_sources", "generate_block", "rebuild", "main"]
 
@@ -67,6 +67,7 @@ TABLES: dict[str, GeneratedTable] = {
         lambda rows, s, p: dev_split_markdown(rows, read_config_labels(s.root / p["labels"] if "labels" in p else None)),
         (), ("labels",)),
     "selectors": GeneratedTable(lambda rows, s, p: selectors_markdown(rows)),
+    "long-context": GeneratedTable(lambda rows, s, p: long_context_markdown(rows)),
     "evidence-cost": GeneratedTable(lambda rows, s, p: evidence_cost_markdown(rows, s.ranked())),
 }
 
@@ -150,6 +151,8 @@ def rebuild(sources: Sources, plots: bool = True, command: str | None = None) ->
             plot_benchmark(bench, rs, sources.plots)
         if sources.probes is not None:
             plot_probes(read_rows(sources.probes), sources.plots)
+        if sources.compaction is not None:
+            plot_long_context(read_rows(sources.compaction), sources.plots)
     cache: dict[str, list[dict]] = {}
 
     def rows_of(source: str) -> list[dict]:

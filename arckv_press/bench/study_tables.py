@@ -14,6 +14,8 @@ committed docs equal what this module generates).
   not name the options that tell them apart), else by its config id.
 - ``selectors`` (``docs/indexer.md``): the same data for the three ARC-KV selectors at today's
   defaults, with the mean over kept fractions.
+- ``long-context`` (``docs/results.md``, ``docs/studies/long_contexts.md``): the newest synthetic
+  sweep of ``bench_compaction.py`` (time per stage and peak memory against T, chunked and not).
 - ``evidence-cost`` (``docs/results.md``): the compaction hours behind the leaderboard's rows of
   the ranked benchmarks, per method.
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 from .leaderboard.table import REFERENCE_METHODS, fmt_ratio
 
 __all__ = ["read_config_labels", "dev_damage", "dev_split_markdown", "selectors_markdown",
-           "compaction_time_markdown", "evidence_cost_markdown"]
+           "compaction_time_markdown", "long_context_markdown", "evidence_cost_markdown"]
 
 
 def _options(command: str) -> dict:
@@ -55,10 +57,13 @@ def read_config_labels(path: Path | None) -> dict[tuple[str, str], str]:
 
 def dev_damage(rows: list[dict], labels: dict[tuple[str, str], str] | None = None,
                model_id: str | None = None) -> dict[tuple[str, str], dict[str, tuple[float, int]]]:
-    """``{(method, label): {ratio: (mean damage, documents)}}`` of development-split rows; ``label``
-    is ``default`` when the row's ids are today's defaults at its kept fraction, else the
-    ``--option`` values of its command when they give its ids today, else
-    ``labels[(method, config_id)]`` when given, else ``config <id>``."""
+    """``{(method, label): {ratio: (mean damage, documents)}}`` of the development-split rows of one
+    model (``model_id``, default the default model's, which rows without a model are); ``label`` is
+    ``default`` when the row's ids are today's defaults at its kept fraction, else the ``--option``
+    values of its command when they give its ids today, else ``labels[(method, config_id)]`` when
+    given, else ``config <id>``, followed by ``, N-token docs`` for documents of another length than
+    the study's (``bench_fidelity.DOC_TOKENS``), so that documents of two lengths never share a mean."""
+    from arckv_press.bench.bench_fidelity import DOC_TOKENS
     from arckv_press.models import DEFAULT_MODEL_ID
     from arckv_press.runinfo import CurrentIds
 
@@ -79,9 +84,15 @@ def dev_damage(rows: list[dict], labels: dict[tuple[str, str], str] | None = Non
                 return name
         return labels.get((r["method"], r["config_id"]), f"config {r['config_id']}")
 
+    def length(r: dict) -> str:
+        tokens = int(r.get("doc_tokens") or DOC_TOKENS)
+        return "" if tokens == DOC_TOKENS else f", {tokens:,}-token docs"
+
     docs: dict[tuple[str, str, str], dict[str, float]] = defaultdict(dict)
     for r in rows:
-        docs[(r["method"], label(r), fmt_ratio(r["ratio"]))][r["doc"]] = float(r["damage"])  # a rerun replaces
+        if (r.get("model") or DEFAULT_MODEL_ID) != model_id:  # rows from before the model column: the default model
+            continue
+        docs[(r["method"], label(r) + length(r), fmt_ratio(r["ratio"]))][r["doc"]] = float(r["damage"])  # a rerun replaces
     out: dict[tuple[str, str], dict[str, tuple[float, int]]] = defaultdict(dict)
     for (method, name, ratio), by_doc in docs.items():
         out[(method, name)][ratio] = (sum(by_doc.values()) / len(by_doc), len(by_doc))
@@ -175,6 +186,41 @@ def compaction_time_markdown(rows: list[dict], threads: int = 1) -> str:
     if ratio_text:
         lines += ["", "Ratios printed by this run (post = everything after the repeat-prefill):", ""]
         lines += [f"- {line.strip()}" for line in ratio_text]
+    return "\n".join(lines)
+
+
+def long_context_markdown(rows: list[dict], ratio: float = 0.1) -> str:
+    """The newest synthetic sweep of ``bench_compaction.py`` at keep ``ratio``: per length, the
+    statistics pass and the work after it (post, with merge and the two fits), post / pass, post's
+    growth per doubling, its peak memory, the same post without chunks and OMP-fast while it ran
+    (:func:`~arckv_press.bench.bench_compaction.last_synthetic_run`)."""
+    from .bench_compaction import last_synthetic_run
+
+    run, by_length = last_synthetic_run(rows, ratio)
+    head = ["tokens", "statistics pass s", "post s", "merge", "beta fit", "C_v fit", "post / pass", "post growth",
+            "post MiB", "MiB growth", "unchunked post s", "unchunked growth", "unchunked MiB", "OMP-fast s"]
+    lines = [f"Run of {run['date']} on {run['machine']}, keep {ratio * 100:g}%: "
+             f"`{run['command']}`", "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+
+    def get(T: int, key: str, fmt: str = "{:.2f}") -> str:
+        value = by_length.get(T, {}).get(key)
+        return "" if value is None else fmt.format(value)
+
+    def growth(T: int, key: str) -> str:
+        a, b = by_length.get(T // 2, {}).get(key), by_length[T].get(key)
+        return "" if a is None or b is None or T % 2 else f"{b / a:.2f}x"
+
+    for T, st in by_length.items():
+        post, passed = st.get("arckv-ha/post"), st.get("arckv-ha/reference_pass")
+        ratio_cell = "" if post is None or not passed else f"{post / passed:.3f}"
+        lines.append("| " + " | ".join([f"{T:,}", get(T, "arckv-ha/reference_pass"), get(T, "arckv-ha/post"),
+                                         get(T, "arckv-ha/merge"), get(T, "arckv-ha/beta_fit"),
+                                         get(T, "arckv-ha/value_fit"), ratio_cell, growth(T, "arckv-ha/post"),
+                                         get(T, "arckv-ha/post_mib", "{:.0f}"), growth(T, "arckv-ha/post_mib"),
+                                         get(T, "arckv-ha/post_unchunked"),
+                                         growth(T, "arckv-ha/post_unchunked"),
+                                         get(T, "arckv-ha/post_unchunked_mib", "{:.0f}"),
+                                         get(T, "am-omp-fast/total")]) + " |")
     return "\n".join(lines)
 
 

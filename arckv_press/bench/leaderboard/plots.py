@@ -1,6 +1,7 @@
 """The leaderboard's plots: per benchmark, score against kept fraction and against compaction
 seconds (``<benchmark>_score_vs_ratio.png``, ``<benchmark>_score_vs_time.png``), and the probes'
-bars (``probes.png``). PNGs are written without the matplotlib version in their metadata, so the
+bars (``probes.png``) and the synthetic sweep's time per stage against the length
+(``long_context_scaling.png``). PNGs are written without the matplotlib version in their metadata, so the
 same rows give the same bytes."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from arckv_press.methods import METHODS
 from .table import REFERENCE_METHODS, fmt_ratio, num, short_model
 
 __all__ = ["Point", "benchmark_points", "draw_line", "method_family", "method_styles", "plot_benchmark",
-           "plot_probes", "save_png"]
+           "plot_long_context", "plot_probes", "save_png"]
 
 _FAMILY_STYLE = {"arckv": ("-", "o"), "am": ("--", "s"), "kvpress": (":", "^")}
 
@@ -165,5 +166,46 @@ def plot_probes(rows: list[dict], out_dir: Path) -> Path | None:
         ax.set_title(title)
     fig.tight_layout()
     out = save_png(fig, out_dir / "probes.png")
+    plt.close(fig)
+    return out
+
+
+#: the lines of ``long_context_scaling.png``: (key of ``last_synthetic_run``, label, line style)
+SCALING_LINES = (
+    ("arckv-ha/reference_pass", "statistics pass (the exact floor of the repeat-prefill's work)", "k-"),
+    ("arckv-ha/post", "ARC-KV after the pass, chunk-local (default above 10,000)", "C0-o"),
+    ("arckv-ha/merge", "  of it: merge", "C0:"),
+    ("arckv-ha/beta_fit", "  of it: beta fit", "C0-."),
+    ("arckv-ha/value_fit", "  of it: C_v fit", "C0--"),
+    ("arckv-ha/post_unchunked", "ARC-KV after the pass, unchunked (before)", "C3-s"),
+    ("am-omp-fast/total", "AM OMP-fast (while under its cap)", "C2-^"),
+)
+
+
+def plot_long_context(rows: list[dict], out_dir: Path, ratio: float = 0.1) -> Path | None:
+    """``long_context_scaling.png``: seconds per stage against the length, log-log, from the newest
+    synthetic sweep of ``bench_compaction.py`` at keep ``ratio``; ``None`` without one."""
+    from arckv_press.bench.bench_compaction import last_synthetic_run
+
+    try:
+        run, by_length = last_synthetic_run(rows, ratio)
+    except ValueError:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for key, label, style in SCALING_LINES:
+        pts = [(T, st[key]) for T, st in by_length.items() if key in st]
+        if pts:
+            ax.plot(*zip(*pts), style, label=label, markersize=4)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("positions T (synthetic heads, H = G = 3, D = 64)")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"Long-context scaling, keep {ratio * 100:g}% ({run['date'][:10]}, {run['threads']} threads)",
+                 fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = save_png(fig, out_dir / "long_context_scaling.png")
     plt.close(fig)
     return out

@@ -77,6 +77,7 @@ class Sources:
     fidelity: Path | None
     probes: Path | None
     blocks: tuple[Block, ...]
+    compaction: Path | None = None
 
     def relative(self, path: Path) -> str:
         """``path`` as the manifest writes it (relative to the checkout)."""
@@ -140,7 +141,7 @@ def load_sources(path: Path | str | None = None) -> Sources:
     cases = _take(data, "cases", f"{path}", dict, required=False) or {}
     where = f"{path} [cases]"
     found = {k: (existing(v, where) if (v := _take(cases, k, where, required=False)) is not None else None)
-             for k in ("needle", "fidelity", "probes")}
+             for k in ("needle", "fidelity", "probes", "compaction")}
     _no_more(cases, where)
 
     runs = []
@@ -180,4 +181,4 @@ def load_sources(path: Path | str | None = None) -> Sources:
         raise ValueError(f"{path}: a doc has two blocks of one name")
     _no_more(data, f"{path}")
     return Sources(path, root, leaderboard, comparisons, plots, tuple(runs), tuple(superseded), found["needle"],
-                   found["fidelity"], found["probes"], tuple(blocks))
+                   found["fidelity"], found["probes"], tuple(blocks), found["compaction"])
