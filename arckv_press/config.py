@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -153,10 +153,10 @@ class CompactionConfig:
     def __post_init__(self) -> None:
         lookup_method(self.method, ours=True)
         if isinstance(self.fit, dict):  # e.g. --option "fit={'b_min': 0.0}", or a JSON config
-            unknown = sorted(set(self.fit) - {f.name for f in fields(FitConfig)})
+            names = [f.name for f in dataclasses.fields(FitConfig)]
+            unknown = sorted(set(self.fit) - set(names))
             if unknown:
-                raise ValueError(f"fit has no option(s) {unknown}; FitConfig's are "
-                                 f"{[f.name for f in fields(FitConfig)]}")
+                raise ValueError(f"fit has no option(s) {unknown}; FitConfig's are {names}")
             self.fit = FitConfig(**self.fit)
         if not isinstance(self.fit, FitConfig):
             raise TypeError(f"fit must be a FitConfig or a dict of its fields, got {type(self.fit).__name__}")

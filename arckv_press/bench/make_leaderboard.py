@@ -143,6 +143,13 @@ def rebuild(sources: Sources, plots: bool = True, command: str | None = None) ->
     add_intervals(rows)
     write_csv(sources.leaderboard, rows)
     write_csv(sources.comparisons, comparisons(rows), COMPARISON_FIELDS)
+    cache: dict[str, list[dict]] = {}
+
+    def rows_of(source: str) -> list[dict]:
+        if source not in cache:
+            cache[source] = read_rows(sources.root / source)
+        return cache[source]
+
     if plots:
         by_bench: dict[str, list[dict]] = defaultdict(list)
         for r in rows:
@@ -151,15 +158,8 @@ def rebuild(sources: Sources, plots: bool = True, command: str | None = None) ->
             plot_benchmark(bench, rs, sources.plots)
         if sources.probes is not None:
             plot_probes(read_rows(sources.probes), sources.plots)
-        if sources.compaction is not None:
-            plot_long_context(read_rows(sources.compaction), sources.plots)
-    cache: dict[str, list[dict]] = {}
-
-    def rows_of(source: str) -> list[dict]:
-        if source not in cache:
-            cache[source] = read_rows(sources.root / source)
-        return cache[source]
-
+        if sources.compaction is not None:  # the same rows as the long-context blocks
+            plot_long_context(rows_of(sources.relative(sources.compaction)), sources.plots)
     by_doc: dict[str, list] = defaultdict(list)
     for block in sources.blocks:
         by_doc[block.doc].append((block.name, block.source, generate_block(sources, block, rows_of)))

@@ -189,6 +189,16 @@ def compaction_time_markdown(rows: list[dict], threads: int = 1) -> str:
     return "\n".join(lines)
 
 
+#: the columns of the long-context table: (header, ``arckv-ha`` stage or ``method/stage``, cell kind)
+LONG_CONTEXT_COLUMNS = (
+    ("statistics pass s", "reference_pass", "s"), ("post s", "post", "s"), ("merge", "merge", "s"),
+    ("beta fit", "beta_fit", "s"), ("C_v fit", "value_fit", "s"), ("post / pass", "post", "per pass"),
+    ("post growth", "post", "growth"), ("post MiB", "post_mib", "MiB"), ("MiB growth", "post_mib", "growth"),
+    ("unchunked post s", "post_unchunked", "s"), ("unchunked growth", "post_unchunked", "growth"),
+    ("unchunked MiB", "post_unchunked_mib", "MiB"), ("OMP-fast s", "am-omp-fast/total", "s"),
+)
+
+
 def long_context_markdown(rows: list[dict], ratio: float = 0.1) -> str:
     """The newest synthetic sweep of ``bench_compaction.py`` at keep ``ratio``: per length, the
     statistics pass and the work after it (post, with merge and the two fits), post / pass, post's
@@ -197,30 +207,27 @@ def long_context_markdown(rows: list[dict], ratio: float = 0.1) -> str:
     from .bench_compaction import last_synthetic_run
 
     run, by_length = last_synthetic_run(rows, ratio)
-    head = ["tokens", "statistics pass s", "post s", "merge", "beta fit", "C_v fit", "post / pass", "post growth",
-            "post MiB", "MiB growth", "unchunked post s", "unchunked growth", "unchunked MiB", "OMP-fast s"]
-    lines = [f"Run of {run['date']} on {run['machine']}, keep {ratio * 100:g}%: "
-             f"`{run['command']}`", "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    lines = [f"Run of {run['date']} on {run['machine']}, keep {ratio * 100:g}%: `{run['command']}`", "",
+             "| tokens | " + " | ".join(h for h, _, _ in LONG_CONTEXT_COLUMNS) + " |",
+             "|---|" + "---:|" * len(LONG_CONTEXT_COLUMNS)]
 
-    def get(T: int, key: str, fmt: str = "{:.2f}") -> str:
-        value = by_length.get(T, {}).get(key)
-        return "" if value is None else fmt.format(value)
+    def value(T: int, stage: str) -> float | None:
+        return by_length.get(T, {}).get(stage if "/" in stage else f"arckv-ha/{stage}")
 
-    def growth(T: int, key: str) -> str:
-        a, b = by_length.get(T // 2, {}).get(key), by_length[T].get(key)
-        return "" if a is None or b is None or T % 2 else f"{b / a:.2f}x"
+    def cell(T: int, stage: str, kind: str) -> str:
+        x = value(T, stage)
+        if x is None:
+            return ""
+        if kind == "growth":
+            before = value(T // 2, stage) if T % 2 == 0 else None
+            return "" if before is None else f"{x / before:.2f}x"
+        if kind == "per pass":
+            passed = value(T, "reference_pass")
+            return f"{x / passed:.3f}" if passed else ""
+        return f"{x:.0f}" if kind == "MiB" else f"{x:.2f}"
 
-    for T, st in by_length.items():
-        post, passed = st.get("arckv-ha/post"), st.get("arckv-ha/reference_pass")
-        ratio_cell = "" if post is None or not passed else f"{post / passed:.3f}"
-        lines.append("| " + " | ".join([f"{T:,}", get(T, "arckv-ha/reference_pass"), get(T, "arckv-ha/post"),
-                                         get(T, "arckv-ha/merge"), get(T, "arckv-ha/beta_fit"),
-                                         get(T, "arckv-ha/value_fit"), ratio_cell, growth(T, "arckv-ha/post"),
-                                         get(T, "arckv-ha/post_mib", "{:.0f}"), growth(T, "arckv-ha/post_mib"),
-                                         get(T, "arckv-ha/post_unchunked"),
-                                         growth(T, "arckv-ha/post_unchunked"),
-                                         get(T, "arckv-ha/post_unchunked_mib", "{:.0f}"),
-                                         get(T, "am-omp-fast/total")]) + " |")
+    for T in by_length:
+        lines.append(f"| {T:,} | " + " | ".join(cell(T, stage, kind) for _, stage, kind in LONG_CONTEXT_COLUMNS) + " |")
     return "\n".join(lines)
 
 

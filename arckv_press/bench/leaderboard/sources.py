@@ -76,8 +76,8 @@ class Sources:
     needle: Path | None
     fidelity: Path | None
     probes: Path | None
+    compaction: Path | None
     blocks: tuple[Block, ...]
-    compaction: Path | None = None
 
     def relative(self, path: Path) -> str:
         """``path`` as the manifest writes it (relative to the checkout)."""
@@ -181,4 +181,4 @@ def load_sources(path: Path | str | None = None) -> Sources:
         raise ValueError(f"{path}: a doc has two blocks of one name")
     _no_more(data, f"{path}")
     return Sources(path, root, leaderboard, comparisons, plots, tuple(runs), tuple(superseded), found["needle"],
-                   found["fidelity"], found["probes"], tuple(blocks), found["compaction"])
+                   found["fidelity"], found["probes"], found["compaction"], tuple(blocks))
