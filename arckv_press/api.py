@@ -25,18 +25,12 @@ from transformers import DynamicCache
 from arckv_press import __version__
 from arckv_press.attention import enable_compact_attention
 from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, cache_nbytes, pack_heads
-from arckv_press.capture import (QueryCapture, check_context_positions, encode_document, framing_for, prefill,
-                                  repeat_prefill, repeat_prefill_stats)
+from arckv_press.capture import (check_context_positions, encode_document, framing_for, prefill, repeat_prefill,
+                                  repeat_prefill_stats)
 from arckv_press.compaction.layer import compact_layer, compact_layer_from_stats
-from arckv_press.compaction.reference import (
-    group_activations,
-    group_queries_by_kv_head,
-    grouped_rows,
-    mix_sources,
-    subsample_rows,
-)
+from arckv_press.compaction.reference import group_activations, group_queries_by_kv_head, grouped_rows, subsample_rows
 from arckv_press.compaction.select import corrected_scores, global_budgets, per_head_budgets
-from arckv_press.config import SCORE_SHRINK, CompactionConfig, config_id
+from arckv_press.config import MIN_LENGTH, SCORE_SHRINK, CompactionConfig, config_id
 from arckv_press.indexer.checkpoint import resolve_indexer
 from arckv_press.methods import method as lookup_method
 
@@ -56,7 +50,7 @@ class CompactionReport:
     layers only.
 
     ``reference_rows``: the most reference-query rows per KV head that merging and the fits of
-    any layer used (the budget rows plus that layer's anchor witnesses, see ``fit_witnesses``).
+    any layer used (the budget rows plus that layer's anchor witnesses, see ``FitConfig.witnesses``).
     """
 
     original_length: int
@@ -91,21 +85,11 @@ def _load_weights(weights, shape: tuple[int, int], num_layers: int) -> torch.Ten
     return weights
 
 
-def reference_positions(T: int, G: int, config: CompactionConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Document positions of the repeat / context reference rows (``query_budget // G`` in all): the
+def reference_positions(T: int, G: int, config: CompactionConfig) -> torch.Tensor:
+    """Document positions of the repeat-prefill's reference rows (``query_budget // G``, sorted): the
     budget rows every ARC-KV head fits on (its reference pass reads every position's row for the
-    scores and witnesses), the captured rows of Attention Matching.
-
-    A pure source (``context_fraction`` 0 or 1) never borrows rows from the other one, even when the
-    document has fewer positions than the budget; mixed sources spill over as ``mix_sources`` does.
-    """
-    n_pos = max(1, config.query_budget // G)
-    empty = torch.zeros(0, dtype=torch.long)
-    if config.context_fraction == 0.0:
-        return subsample_rows(T, n_pos, config.seed), empty
-    if config.context_fraction == 1.0:
-        return empty, subsample_rows(T, n_pos, config.seed)
-    return mix_sources(T, T, config.context_fraction, n_pos, config.seed)
+    scores and witnesses), the captured rows of Attention Matching."""
+    return subsample_rows(T, max(1, config.query_budget // G), config.seed)
 
 
 def compact(
@@ -115,6 +99,7 @@ def compact(
     method: str = "arckv",
     ratio: float = 0.1,
     use_chat_template: bool | None = None,
+    progress: bool = False,
     **options,
 ) -> CompactCache:
     """Prefill ``context`` and compact its document tokens with ``method`` at kept fraction ``ratio``.
@@ -122,12 +107,14 @@ def compact(
     Returns a :class:`CompactCache` (batch size 1) for ``model``; the model's attention is switched
     to the ARC-KV function (:func:`arckv_press.attention.enable_compact_attention`), which behaves
     as before on ordinary caches. Ask questions by feeding ``question + suffix`` tokens (see
-    :func:`arckv_press.capture.framing_for`) with ``past_key_values=cache``.
+    :func:`arckv_press.capture.framing_for`) with ``past_key_values=cache``. ``options``:
+    :class:`~arckv_press.config.CompactionConfig` fields; ``progress``: tqdm bars.
     """
     config = CompactionConfig(method=method, ratio=ratio, **options)
     ids, prefix_len = encode_document(tokenizer, context, use_chat_template)
     cache = DynamicCache(config=model.config)
-    return compact_prefilled(model, tokenizer, cache, ids, prefix_len, config, use_chat_template=use_chat_template)
+    return compact_prefilled(model, tokenizer, cache, ids, prefix_len, config, use_chat_template=use_chat_template,
+                             progress=progress)
 
 
 @torch.no_grad()
@@ -139,13 +126,13 @@ def compact_prefilled(
     prefix_len: int,
     config: CompactionConfig,
     already_prefilled: bool = False,
-    context_queries=None,
     use_chat_template: bool | None = None,
+    progress: bool = False,
 ) -> CompactCache:
     """Compact the document ``context_ids[:, prefix_len:]`` held in ``cache``, in place.
 
     ``cache`` is prefilled here unless ``already_prefilled`` (the press path, where kvpress's
-    pipeline ran the prefill; then ``context_queries`` holds queries captured during it, if any).
+    pipeline ran the prefill).
     The compacted layers of ``cache`` are replaced by :class:`CompactLayer` objects; a
     ``CompactCache`` sharing those layers is returned. Runs under ``torch.no_grad()``: with
     autograd on, the prefill, repeat-prefill and fits would keep their graphs alive.
@@ -162,13 +149,13 @@ def compact_prefilled(
         raise ValueError(f"prefix_len must be in [0, {n_ctx}] (the context length), got {prefix_len}")
     layout = describe_attention_layout(model)
     T = context_ids.shape[1] - prefix_len
-    if T < config.min_length:
-        raise ValueError(f"the document has {T} tokens; at least {config.min_length} are needed to compact it")
+    if T < MIN_LENGTH:
+        raise ValueError(f"the document has {T} tokens; at least {MIN_LENGTH} are needed to compact it")
     check_context_positions(model, n_ctx, prefix_len)  # before the (long) prefill and repeat-prefill
     layers = list(layout.full_attention_layers)
     H, G = layout.num_kv_heads, layout.group_size
     timings: dict[str, float] = {}
-    repeat_pos, context_pos = reference_positions(T, G, config)
+    repeat_pos = reference_positions(T, G, config)
 
     # Indexer and budgets are resolved before the (possibly long) prefill: a missing checkpoint or
     # malformed budget weights fail fast and leave ``cache`` untouched.
@@ -180,16 +167,8 @@ def compact_prefilled(
     budgets = per_head_budgets(T, config.ratio, weights, len(layers), H)
 
     t0 = time.perf_counter()
-    if already_prefilled and config.ratio < 1.0 and context_pos.numel() and context_queries is None:
-        raise ValueError(
-            f"context_fraction={config.context_fraction} needs the queries captured during the prefill "
-            "(context_queries); capture them with QueryCapture or set context_fraction=0"
-        )
     if not already_prefilled:
-        if config.ratio < 1.0 and context_pos.numel():
-            context_queries = _prefill_capturing(model, cache, context_ids, layers, context_pos + prefix_len)
-        else:
-            prefill(model, context_ids, cache)
+        prefill(model, context_ids, cache)
     timings["prefill"] = time.perf_counter() - t0 if not already_prefilled else 0.0
 
     full_bytes = sum(cache.layers[i].keys.nbytes + cache.layers[i].values.nbytes for i in layers)
@@ -200,11 +179,12 @@ def compact_prefilled(
         layer_results = {i: None for i in layers}
         n_rows = 0
     else:
-        run = _Run(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, timings, H, G)
+        run = _Run(model, tokenizer, cache, context_ids, prefix_len, layers, config, method, framing, timings, H, G,
+                   progress)
         if config.family == "arckv":
             layer_results, n_rows = _compact_fused(run, indexer, budgets, repeat_pos)
         else:
-            layer_results, n_rows = _compact_am(run, budgets, repeat_pos, context_queries)
+            layer_results, n_rows = _compact_am(run, budgets, repeat_pos)
     for layer_idx in layers:
         _pack_layer(cache, layer_idx, prefix_len, T, H, layer_results[layer_idx])
 
@@ -253,6 +233,7 @@ class _Run:
     timings: dict[str, float]
     H: int  # KV heads
     G: int  # query heads per KV head
+    progress: bool = False  # tqdm bars
 
     @property
     def doc_ids(self) -> torch.Tensor:
@@ -265,13 +246,13 @@ class _Run:
         for stage, sec in stage_timings.items():
             self.timings[stage] = self.timings.get(stage, 0.0) + sec
 
+    def bar(self, total: int, desc: str, unit: str = "tok"):
+        """A tqdm bar when ``progress``, else ``None``."""
+        if not self.progress:
+            return None
+        from tqdm.auto import tqdm
 
-def _progress(config: CompactionConfig, total: int, desc: str, unit: str = "tok"):
-    if not config.progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, leave=False)
+        return tqdm(total=total, desc=desc, unit=unit, leave=False)
 
 
 def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Tensor):
@@ -282,11 +263,11 @@ def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Te
     T = run.doc_ids.shape[1]
     selector = lookup_method(config.method).selector
     t0 = time.perf_counter()
-    bar = _progress(config, T, "repeat-prefill")
+    bar = run.bar(T, "repeat-prefill")
     score_pos = indexer_positions(config, base_pos, T, G)
     pass_selector = selector
     if selector == "indexer":  # the pass pools the residual indexer's base only as its control variate
-        pass_selector = _control_selector(indexer, run.model, layers) if config.indexer_rows == "corrected" else "none"
+        pass_selector = _control_selector(indexer, run.model, layers) if config.corrected_scores else "none"
     cap = repeat_prefill_stats(run.model, run.tokenizer, run.cache, run.doc_ids, run.framing.suffix_ids, layers,
                                run.prefix_len, selector=pass_selector, pooling=config.pooling,
                                x_positions=score_pos if selector == "indexer" else None,
@@ -305,11 +286,11 @@ def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Te
     t0 = time.perf_counter()
     scores = {}
     for i in layers:
-        if selector == "indexer":  # indexer_rows: every captured row, the budget rows, or those corrected
+        if selector == "indexer":  # indexer_rows: every captured row, the budget rows, or a sample corrected
             K, V = run.kv(i)
             X = torch.cat(cap.store.x.pop(i), dim=0)
             Q = queries[i] if config.indexer_rows == "all" else queries[i][:, score_rows.to(K.device)]
-            if config.indexer_rows == "corrected":
+            if config.corrected_scores:
                 sample, sample_base = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling,
                                                      base=True, base_scale=_scaling(run.model, i))
                 scores[i] = corrected_scores(cap.stats[i].scores, sample, sample_base, config.pooling,
@@ -329,7 +310,7 @@ def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Te
         merge_rows = grouped_rows(torch.cat([base_pos[subsample_rows(base_pos.numel(), n_pos, config.seed + 1)], after]),
                                   N, G)
     results, n_rows = {}, 0
-    bar = _progress(config, len(layers), f"compact ({config.method})", unit="layer")
+    bar = run.bar(len(layers), f"compact ({config.method})", unit="layer")
     for li, i in enumerate(layers):
         K, V = run.kv(i)
         res = compact_layer_from_stats(K, V, queries.pop(i), cap.stats.pop(i), budgets[li].to(K.device),
@@ -346,63 +327,50 @@ def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Te
 
 def indexer_positions(config: CompactionConfig, base_pos: torch.Tensor, T: int, G: int) -> torch.Tensor:
     """Document positions whose rows the learned indexer scores (``indexer_rows``): every position,
-    the budget positions ``base_pos``, or (``"corrected"``) a seeded subsample of ``score_rows // G``
-    of them; sorted, as the captured activations are."""
+    the budget positions ``base_pos``, or (a row count ``n``) a seeded subsample of ``n // G`` of
+    them; sorted, as the captured activations are."""
     if config.indexer_rows == "all":
         return torch.arange(T)
-    if config.indexer_rows == "corrected" and config.score_rows is not None:
-        return base_pos[subsample_rows(base_pos.numel(), max(1, config.score_rows // G), config.seed + 2)]
+    if config.corrected_scores:
+        return base_pos[subsample_rows(base_pos.numel(), max(1, config.indexer_rows // G), config.seed + 2)]
     return base_pos
 
 
 def _control_selector(indexer, model, layers) -> str:
     """The reference-pass selector whose pooled scores are the control variate of
-    ``indexer_rows="corrected"``: a residual indexer's base (``ha`` or ``vi``), HA for the paper's
+    ``indexer_rows`` given as a row count: a residual indexer's base (``ha`` or ``vi``), HA for the paper's
     form. A residual base must be at the model's own softmax scale in every compacted layer (else the
     pass and the indexer would pool different bases)."""
     cfg = indexer.config
     for i in layers:
         if cfg.base_logit_scale is not None and not math.isclose(cfg.base_logit_scale, _scaling(model, i), rel_tol=1e-6):
-            raise ValueError(f"indexer_rows='corrected': the indexer's base_logit_scale {cfg.base_logit_scale} is not "
+            raise ValueError(f"corrected indexer scores (indexer_rows a row count): the indexer's base_logit_scale {cfg.base_logit_scale} is not "
                              f"the model's softmax scale {_scaling(model, i)} (layer {i})")
     return "vi" if cfg.base_value_influence else "ha"
 
 
-def _compact_am(run: _Run, budgets: torch.Tensor, repeat_pos: torch.Tensor, context_queries):
+def _compact_am(run: _Run, budgets: torch.Tensor, repeat_pos: torch.Tensor):
     """Attention Matching's stages: the reference queries captured by the repeat-prefill at
-    ``repeat_pos`` (and the context prefill, ``context_fraction``; recaptured before each layer
-    through the layers already compacted, ``on_policy``), then per layer :func:`compact_layer`."""
+    ``repeat_pos``, then per layer :func:`compact_layer`."""
     config, layers = run.config, run.layers
-    repeat_store = None
-
-    def capture(capture_layers, bar=None):
-        return repeat_prefill(run.model, run.tokenizer, run.cache, run.doc_ids, run.framing.suffix_ids, capture_layers,
-                              repeat_pos, config.repeat_chunk, bar)
-
-    if repeat_pos.numel():
-        t0 = time.perf_counter()
-        bar = _progress(config, run.doc_ids.shape[1], "repeat-prefill")
-        repeat_store = capture(layers[:1] if config.on_policy else layers, bar)
-        if bar is not None:
-            bar.close()
-        run.timings["repeat_prefill"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    bar = run.bar(run.doc_ids.shape[1], "repeat-prefill")
+    store = repeat_prefill(run.model, run.tokenizer, run.cache, run.doc_ids, run.framing.suffix_ids, layers, repeat_pos,
+                           config.repeat_chunk, bar)
+    if bar is not None:
+        bar.close()
+    run.timings["repeat_prefill"] = time.perf_counter() - t0
     results, n_rows = {}, 0
-    bar = _progress(config, len(layers), f"compact ({config.method})", unit="layer")
+    bar = run.bar(len(layers), f"compact ({config.method})", unit="layer")
     for li, layer_idx in enumerate(layers):
         K, V = run.kv(layer_idx)
-        if config.on_policy and li > 0 and repeat_pos.numel():
-            t0 = time.perf_counter()
-            enable_compact_attention(run.model)  # layers below are compact now
-            repeat_store = capture([layer_idx])
-            run.add({"repeat_prefill": time.perf_counter() - t0})
-        X, Q = _layer_queries(layer_idx, repeat_store, context_queries, run.H)
-        res = compact_layer(K, V, Q, budgets[li].to(K.device), _scaling(run.model, layer_idx), run.method,
-                            X=group_activations(X, run.G), layer_idx=layer_idx)
+        x, q = store.layer(layer_idx)
+        res = compact_layer(K, V, group_queries_by_kv_head(q[None], run.H), budgets[li].to(K.device),
+                            _scaling(run.model, layer_idx), run.method, X=group_activations(x, run.G),
+                            layer_idx=layer_idx)
         results[layer_idx] = res
         n_rows = max(n_rows, res.fit_rows)
         run.add(res.timings)
-        if config.on_policy:  # the next layer's repeat-prefill reads this layer compacted
-            _pack_layer(run.cache, layer_idx, run.prefix_len, K.shape[1], run.H, res)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -412,10 +380,8 @@ def _compact_am(run: _Run, budgets: torch.Tensor, repeat_pos: torch.Tensor, cont
 
 def _pack_layer(cache, layer_idx: int, prefix_len: int, T: int, H: int, res) -> None:
     """Replace an ordinary cache layer by its :class:`CompactLayer` (``res`` ``None``: ratio 1, every
-    position kept with beta = 0); a layer packed already (``on_policy``) is left as it is."""
+    position kept with beta = 0)."""
     dyn = cache.layers[layer_idx]
-    if isinstance(dyn, CompactLayer):
-        return
     keys, values = dyn.keys, dyn.values
     K, V = _document_kv(cache, layer_idx, prefix_len)
     # clone: a slice is a view that would keep the whole uncompressed layer's storage alive
@@ -437,28 +403,7 @@ def _scaling(model, layer_idx: int) -> float:
     return float(decoder_layers(model)[layer_idx].self_attn.scaling)
 
 
-def _prefill_capturing(model, cache, context_ids, layers, rows):
-    with QueryCapture(model, layers) as cap:
-        prefill(model, context_ids, cache, cap, rows=rows)
-    return cap.store
-
-
 def _document_kv(cache, layer_idx: int, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The document part ``K, V [H, T, D]`` of an ordinary cache layer (views)."""
     layer = cache.layers[layer_idx]
     return layer.keys[0, :, prefix_len:], layer.values[0, :, prefix_len:]
-
-
-def _layer_queries(layer_idx: int, repeat_store, context_store, H: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``X [n, d_x]`` and ``Q [H_kv, G * n, D]`` from the repeat and context captures of a layer."""
-    xs, qs = [], []
-    for store in (repeat_store, context_store):
-        if store is not None and layer_idx in store.x:
-            x, q = store.layer(layer_idx)
-            xs.append(x)
-            qs.append(q)
-    if not xs:
-        raise ValueError(f"layer {layer_idx}: no reference queries were captured")
-    x, q = torch.cat(xs, dim=0), torch.cat(qs, dim=1)
-    return x, group_queries_by_kv_head(q[None], H)
-

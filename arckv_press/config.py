@@ -21,9 +21,10 @@ from arckv_press.compaction.select import POOLINGS
 from arckv_press.methods import method as lookup_method
 
 __all__ = ["CompactionConfig", "config_id", "RATIO_SCHEDULE", "RatioDefaults", "ratio_defaults", "INDEXER_ROWS",
-           "SCORE_SHRINK"]
+           "SCORE_SHRINK", "MIN_LENGTH"]
 
-INDEXER_ROWS = ("all", "budget", "corrected")  # CompactionConfig.indexer_rows
+INDEXER_ROWS = ("all", "budget")  # CompactionConfig.indexer_rows, besides a row count
+MIN_LENGTH = 16  # the shortest document (tokens) a compaction accepts
 
 @dataclass(frozen=True)
 class RatioDefaults:
@@ -56,10 +57,11 @@ class CompactionConfig:
     """Options of one compaction (defaults follow the paper where it gives one).
 
     The options of one layer's steps (``pooling``, ``chunk_len``, ``chunk_min_length``, ``fit``,
-    ``fit_scope``, ``anchor_search``, ``fit_witnesses``; ``lambda_m`` as used) are described once,
-    on :class:`~arckv_press.compaction.layer.LayerMethod`, which :meth:`layer_method` builds; below
-    are what this class adds to them. ``fit`` also takes a dict of
-    :class:`~arckv_press.compaction.fit.FitConfig` fields (unknown keys are refused).
+    ``anchor_search``; ``lambda_m`` as used) are described once, on
+    :class:`~arckv_press.compaction.layer.LayerMethod`, which :meth:`layer_method` builds, and the
+    fits' (which anchors, which rows, the solvers) on :class:`~arckv_press.compaction.fit.FitConfig`;
+    below are what this class adds to them. ``fit`` also takes a dict of ``FitConfig`` fields
+    (unknown keys are refused), e.g. ``fit={'scope': 'all'}``.
 
     Attributes:
         method: ``arckv`` (learned indexer), ``arckv-ha``, ``arckv-vi``, ``am-omp``,
@@ -70,20 +72,12 @@ class CompactionConfig:
             (:func:`ratio_defaults`; 0.25 at every kept fraction, chosen on the fidelity dev split,
             ``docs/methodology.md``).
         query_budget: reference-query rows per KV head (G rows per captured position).
-        context_fraction: Attention Matching only: share of reference rows taken from the
-            context's own prefill queries (AM's "context-prefill" option) instead of the
-            repeat-prefill; 0 = paper default.
         repeat_chunk: document tokens repeated per forward of the chunked repeat-prefill.
         budget_weights: per layer-head weights a(l, h) ``[L, H]`` (tensor or path to a
             ``.pt``/``.safetensors`` file); None = the indexer checkpoint's weights for ``arckv``,
             uniform otherwise.
         indexer: indexer checkpoint path (or a loaded indexer); None = shipped default.
-        min_length: shortest document (tokens) accepted.
         seed: seed of every random choice (reference-row subsampling).
-        progress: show tqdm progress bars.
-        on_policy: Attention Matching only: the reference queries of layer l are recaptured by
-            a repeat-prefill through a cache whose layers below l are already compacted (one
-            repeat-prefill per layer, so about L times the cost); off by default.
         allocation: ARC-KV per-head budgets: ``"global"`` (default; one top-k over the scores of
             every layer and head, :func:`~arckv_press.compaction.select.global_budgets`) or
             ``"fixed"`` (Eq. (per_head_budget) with ``budget_weights`` / the checkpoint's weights /
@@ -99,19 +93,16 @@ class CompactionConfig:
         merge_rows: reference rows per KV head of the response profiles
             (Eq. (response_profile)), a seeded subsample of the budget rows (whole query-head
             groups of a position); ``None`` = each head's fit rows.
-        indexer_rows: method ``arckv``: the reference rows the learned indexer
-            scores. ``"corrected"`` (default): ``score_rows`` of the budget rows, with the indexer's
-            base selector pooled over every row by the reference pass (the residual indexer's own
-            base, HA or VI; HA for the paper's form): the base's all-row score scaled by the
-            indexer's ratio to it on the sample
-            (:func:`~arckv_press.compaction.select.corrected_scores`), an estimate of ``"all"`` at
-            about the cost of HA's scores; rms or mean pooling. ``"all"``: every captured row (as HA
-            and VI scores are pooled; about G T / score_rows times the scoring work). ``"budget"``:
-            the budget rows only (the paper's n_score setting, uncorrected: anchors picked for a
-            planted needle by its few sharp rows are missed).
-        score_rows: ``indexer_rows="corrected"``: reference rows per KV head the learned indexer
-            scores, a seeded subsample of the budget rows (as ``merge_rows``); ``None`` = every
-            budget row.
+        indexer_rows: method ``arckv``: the reference rows the learned indexer scores. A row count
+            (default 512): a seeded subsample of that many of the budget rows (as ``merge_rows``; all
+            of them when the budget has fewer), with the indexer's base selector pooled over every
+            row by the reference pass (the residual indexer's own base, HA or VI; HA for the
+            paper's form): the base's all-row score scaled by the indexer's ratio to it on the
+            sample (:func:`~arckv_press.compaction.select.corrected_scores`), an estimate of
+            ``"all"`` at about the cost of HA's scores; rms or mean pooling. ``"all"``: every
+            captured row (as HA and VI scores are pooled; about G T / 512 times the scoring work).
+            ``"budget"``: the budget rows only (the paper's n_score setting, uncorrected: anchors
+            picked for a planted needle by its few sharp rows are missed).
         anchor_search: ``None`` (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio``
             (``"scores"`` at keep 5% and above, ``"omp"`` below).
         near_rows: every repeated copy's query, moved by its rotary embedding from
@@ -129,24 +120,17 @@ class CompactionConfig:
     lambda_m: float | None = None
     pooling: str = "rms"
     query_budget: int = 2048
-    context_fraction: float = 0.0
     repeat_chunk: int = 2048
     budget_weights: torch.Tensor | str | Path | None = None
     indexer: object = None
     fit: FitConfig = field(default_factory=FitConfig)
     chunk_len: int = 4096
     chunk_min_length: int = 10_000
-    min_length: int = 16
     seed: int = 0
-    progress: bool = False
-    on_policy: bool = False
     allocation: str = "global"
     min_head_fraction: float = 0.5
-    fit_witnesses: bool = True
     merge_rows: int | None = 512
-    indexer_rows: str = "corrected"
-    score_rows: int | None = 512
-    fit_scope: str = "merged"
+    indexer_rows: int | str = 512
     anchor_search: str | None = None
     near_rows: bool = False
 
@@ -161,8 +145,6 @@ class CompactionConfig:
         if not isinstance(self.fit, FitConfig):
             raise TypeError(f"fit must be a FitConfig or a dict of its fields, got {type(self.fit).__name__}")
         check_ratio(self.ratio)
-        if not 0.0 <= self.context_fraction <= 1.0:
-            raise ValueError(f"context_fraction must be in [0, 1], got {self.context_fraction}")
         if self.query_budget < 1 or self.repeat_chunk < 1:
             raise ValueError("query_budget and repeat_chunk must be positive")
         if self.pooling not in POOLINGS:
@@ -171,25 +153,24 @@ class CompactionConfig:
             raise ValueError(f"allocation must be 'global' or 'fixed', got {self.allocation!r}")
         if not 0.0 <= self.min_head_fraction <= 1.0:
             raise ValueError(f"min_head_fraction must be in [0, 1], got {self.min_head_fraction}")
-        if self.family == "arckv" and (self.on_policy or self.context_fraction != 0.0):
-            raise ValueError("context_fraction and on_policy are Attention Matching options: ARC-KV reads its reference "
-                             "rows from one repeat-prefill (the fused reference pass)")
-        if self.min_length < 1:
-            raise ValueError(f"min_length must be >= 1, got {self.min_length}")
-        if self.score_rows is not None and (isinstance(self.score_rows, bool) or not isinstance(self.score_rows, int)
-                                            or self.score_rows < 1):
-            raise ValueError(f"score_rows must be a positive int or None, got {self.score_rows!r}")
-        if self.indexer_rows not in INDEXER_ROWS:
-            raise ValueError(f"indexer_rows must be one of {INDEXER_ROWS}, got {self.indexer_rows!r}")
-        if self.method == "arckv" and self.indexer_rows == "corrected" and self.pooling == "max":
-            raise ValueError("indexer_rows='corrected' estimates a mean over rows: it needs pooling 'rms' or 'mean', "
-                             "not 'max'")
+        if isinstance(self.indexer_rows, bool) or not (
+                self.indexer_rows in INDEXER_ROWS or (isinstance(self.indexer_rows, int) and self.indexer_rows >= 1)):
+            raise ValueError(f"indexer_rows must be a positive row count or one of {INDEXER_ROWS}, got {self.indexer_rows!r}")
+        if self.method == "arckv" and self.corrected_scores and self.pooling == "max":
+            raise ValueError(f"indexer_rows={self.indexer_rows} (a row count) corrects the learned indexer's scores, an "
+                             "estimate of a mean over rows: it needs pooling 'rms' or 'mean', not 'max'")
         if self.merge_rows is not None and (isinstance(self.merge_rows, bool) or not isinstance(self.merge_rows, int)
                                             or self.merge_rows < 1):
             raise ValueError(f"merge_rows must be a positive int or None, got {self.merge_rows!r}")
         if not isinstance(self.near_rows, bool):
             raise TypeError(f"near_rows must be a bool, got {type(self.near_rows).__name__}")
         self.layer_method()  # validates lambda_m now, not after the prefill and repeat-prefill
+
+    @property
+    def corrected_scores(self) -> bool:
+        """Whether ``indexer_rows`` is a row count: the learned indexer scores a sample of the budget
+        rows, corrected by its base selector over every row."""
+        return not isinstance(self.indexer_rows, str)
 
     @property
     def family(self) -> str:
@@ -206,15 +187,15 @@ class CompactionConfig:
 
     def layer_method(self) -> LayerMethod:
         return LayerMethod(self.method, self.merging_coefficient(), self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
-                           fit_witnesses=self.fit_witnesses, fit_scope=self.fit_scope, anchor_search=self.anchor_search_used())
+                           anchor_search=self.anchor_search_used())
 
 
-_RUN_ONLY_FIELDS = ("ratio", "progress", "indexer", "min_length")  # never change a result (the indexer has its own id)
-_INDEXER_ONLY_FIELDS = ("indexer_rows", "score_rows")  # options only the learned indexer's method reads
-_ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "allocation", "min_head_fraction", "fit_witnesses", "merge_rows",
-                      "fit_scope", "anchor_search", "near_rows")
-_AM_ONLY_FIELDS = ("context_fraction", "on_policy")
-SCORE_SHRINK = 0.1  # ``shrink`` of corrected_scores for indexer_rows="corrected"
+_RUN_ONLY_FIELDS = ("ratio", "indexer")  # never change a result (the indexer has its own id)
+_INDEXER_ONLY_FIELDS = ("indexer_rows",)  # options only the learned indexer's method reads
+_ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "allocation", "min_head_fraction", "merge_rows", "anchor_search",
+                      "near_rows")
+_ARCKV_ONLY_FIT_FIELDS = ("scope", "witnesses")
+SCORE_SHRINK = 0.1  # ``shrink`` of corrected_scores when indexer_rows is a row count
 
 
 def _canonical(value):
@@ -236,15 +217,14 @@ def config_id(config: CompactionConfig) -> str:
 
     Covers every :class:`CompactionConfig` field (and :class:`FitConfig`) except the kept fraction,
     with ``lambda_m`` and ``anchor_search`` as used at that kept fraction (so the default schedule and
-    the same values given explicitly share an id, and the id changes where the schedule does),
-    progress bars, ``min_length`` (it only refuses inputs) and the indexer (which has its own id,
-    :func:`arckv_press.indexer.checkpoint.checkpoint_id`); for Attention Matching methods also
-    except the ARC-KV-only options they ignore (merging, budgets, witnesses), and for ARC-KV the
-    Attention Matching-only ones (``context_fraction``, ``on_policy``). Benchmark rows store
-    it, so a result made under other defaults (say a new ``min_head_fraction``) is never taken for
-    a current one, while unrelated default changes leave the other methods' rows valid.
+    the same values given explicitly share an id, and the id changes where the schedule does), and
+    the indexer (which has its own id, :func:`arckv_press.indexer.checkpoint.checkpoint_id`); for
+    Attention Matching methods also except the ARC-KV-only options they ignore (merging, budgets,
+    the fits' scope and witnesses). Benchmark rows store it, so a result made under other defaults
+    (say a new ``min_head_fraction``) is never taken for a current one, while unrelated default
+    changes leave the other methods' rows valid.
     """
-    skip = set(_RUN_ONLY_FIELDS) | set(_ARCKV_ONLY_FIELDS if config.family == "am" else _AM_ONLY_FIELDS)
+    skip = set(_RUN_ONLY_FIELDS) | (set(_ARCKV_ONLY_FIELDS) if config.family == "am" else set())
     skip |= set(_INDEXER_ONLY_FIELDS) if config.method != "arckv" else set()
     options = {f.name: _canonical(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in skip}
     if "lambda_m" in options:  # the coefficient used at this kept fraction: the schedule's or the one given
@@ -252,5 +232,6 @@ def config_id(config: CompactionConfig) -> str:
     if "anchor_search" in options:
         options["anchor_search"] = config.anchor_search_used()  # resolved from the schedule where it decides
     if config.family == "am":
-        options["fit"].pop("gram_dtype")  # Attention Matching always forms float64 products
+        for name in ("gram_dtype", *_ARCKV_ONLY_FIT_FIELDS):  # AM always forms float64 products; no merge groups
+            options["fit"].pop(name)
     return hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]

@@ -37,8 +37,8 @@ from kvpress import BasePress
 from transformers import DynamicCache
 
 from arckv_press.config import CompactionConfig
-from arckv_press.api import CompactionReport, compact_prefilled, reference_positions
-from arckv_press.capture import QueryCapture, framing_for
+from arckv_press.api import CompactionReport, compact_prefilled
+from arckv_press.capture import framing_for
 from arckv_press.compaction.checks import check_ratio
 from arckv_press.methods import am_method, arckv_method
 
@@ -119,13 +119,14 @@ class _CompactionPress(BasePress):
         tokenizer: the model's tokenizer (framing and repeat prompt); ``None`` loads it with
             ``AutoTokenizer.from_pretrained(model.config.name_or_path)``, as kvpress's
             ``KVzipPress`` does (the default model's ``name_or_path`` is a local folder).
-        query_budget, context_fraction, seed, progress: as in
-            :class:`~arckv_press.config.CompactionConfig` (defaults taken from it).
+        query_budget, seed: as in :class:`~arckv_press.config.CompactionConfig` (defaults taken
+            from it).
+        progress: show tqdm bars while compacting.
         use_chat_template: framing choice (None: chat template when the tokenizer has one, the
             same rule as kvpress's pipeline).
         config_options: further :class:`~arckv_press.config.CompactionConfig` fields passed through
             unchanged (e.g. ``pooling``, ``fit=FitConfig(...)``, ``repeat_chunk``,
-            ``budget_weights``, ``min_length``).
+            ``budget_weights``).
 
     State (the press's own, not the model's): ``last_report`` holds the
     :class:`~arckv_press.api.CompactionReport` of the latest compaction run by this press
@@ -136,9 +137,8 @@ class _CompactionPress(BasePress):
     compression_ratio: float | None = None
     tokenizer: Any = None
     query_budget: int = _DEFAULTS.query_budget
-    context_fraction: float = _DEFAULTS.context_fraction
     seed: int = _DEFAULTS.seed
-    progress: bool = _DEFAULTS.progress
+    progress: bool = False
     use_chat_template: bool | None = None
     config_options: dict[str, Any] = field(default_factory=dict)
     last_report: CompactionReport | None = field(default=None, init=False, repr=False, compare=False)
@@ -175,9 +175,7 @@ class _CompactionPress(BasePress):
             method=self.method,
             ratio=self.ratio,
             query_budget=self.query_budget,
-            context_fraction=self.context_fraction,
             seed=self.seed,
-            progress=self.progress,
             **self._method_options(),
         )
         extra = dict(self.config_options or {})
@@ -239,19 +237,15 @@ class _CompactionPress(BasePress):
         """
         from arckv_press.models import describe_attention_layout
 
-        layout = describe_attention_layout(model)  # unsupported architectures fail before the prefill
+        describe_attention_layout(model)  # unsupported architectures fail before the prefill
         config = self.compaction_config()
         tokenizer = self._tokenizer_for(model)
         self.post_init_from_model(model)
         prefix_ids = framing_for(tokenizer, self.use_chat_template).prefix_ids
-        layers = list(layout.full_attention_layers)
-        capture = QueryCapture(model, layers) if config.context_fraction > 0 and config.ratio < 1.0 else None
         record = _PrefillRecord()
 
         def pre_hook(module, args, kwargs):
             if record.input_ids is not None:  # only the first forward is the context prefill
-                if capture is not None:
-                    capture.rows = None
                 return None
             ids = kwargs.get("input_ids", args[0] if args else None)
             if ids is None:
@@ -275,8 +269,6 @@ class _CompactionPress(BasePress):
             n = len(prefix_ids)
             prefix_len = n if n and ids.shape[1] >= n and ids[0, :n].tolist() == prefix_ids else 0
             record.input_ids, record.cache, record.prefix_len = ids.detach(), cache, prefix_len
-            if capture is not None:
-                capture.rows = reference_positions(ids.shape[1] - prefix_len, layout.group_size, config)[1] + prefix_len
             return args, kwargs
 
         # The module kvpress's pipeline and arckv_press.capture.prefill call. For multimodal wrappers
@@ -286,15 +278,10 @@ class _CompactionPress(BasePress):
         handles = []
         try:
             handles.append(decoder.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            if capture is not None:
-                capture.__enter__()
             yield
         finally:
             for handle in handles:
                 handle.remove()
-            if capture is not None:
-                capture.__exit__(None, None, None)
-                capture.rows = None
 
         if record.input_ids is None:
             return
@@ -308,9 +295,7 @@ class _CompactionPress(BasePress):
         with torch.inference_mode():
             result = compact_prefilled(
                 model, tokenizer, record.cache, record.input_ids, record.prefix_len, config,
-                already_prefilled=True,
-                context_queries=capture.store if capture is not None else None,
-                use_chat_template=self.use_chat_template,
+                already_prefilled=True, use_chat_template=self.use_chat_template, progress=self.progress,
             )
         self.last_report = result.report
 
@@ -350,7 +335,7 @@ class ARCKVPress(_CompactionPress):
         min_head_fraction: share of its uniform budget every layer--KV head keeps before the rest
             is allocated globally (see :class:`~arckv_press.config.CompactionConfig`; 0 = fully
             global, 1 = uniform budgets).
-        Other fields: see ``_CompactionPress`` (tokenizer, query_budget, context_fraction, seed,
+        Other fields: see ``_CompactionPress`` (tokenizer, query_budget, seed,
         progress, use_chat_template, config_options) and ``last_report``.
     """
 

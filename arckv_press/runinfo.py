@@ -250,4 +250,4 @@ def add_option_argument(parser) -> None:
 
     parser.add_argument("--option", dest="options", action=Collect, type=parse_option, default={}, metavar="KEY=VALUE",
                         help="a CompactionConfig field for the ARC-KV / Attention Matching methods (repeatable), "
-                             "e.g. lambda_m=1.0 or fit_scope=all; their rows carry that option's config_id")
+                             "e.g. lambda_m=1.0 or \"fit={'scope': 'all'}\"; their rows carry that option's config_id")

@@ -167,7 +167,7 @@ def test_api_feeds_compact_layer_the_captured_queries(tiny_model, tiny_tokenizer
         prefill(model, ids, dyn)
         K = [l.keys[0, :, P:].clone() for l in dyn.layers]
         V = [l.values[0, :, P:].clone() for l in dyn.layers]
-        positions, _ = reference_positions(T, layout.group_size, config)
+        positions = reference_positions(T, layout.group_size, config)
         assert positions.numel() == 20
         store = repeat_prefill(model, tok, dyn, ids[:, P:], framing_for(tok).suffix_ids, [0, 1], positions)
         cache = compact(model, tok, text, config.method, config.ratio, query_budget=40, seed=5)
@@ -211,7 +211,7 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
     with torch.no_grad():
         cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3)
     assert config.merge_rows >= 40  # merging on all budget rows here
-    budget_pos, _ = reference_positions(T, G, config)
+    budget_pos = reference_positions(T, G, config)
     base = [g * T + p for g in range(G) for p in budget_pos.tolist()]
     Qs = [group_queries_by_kv_head(store.layer(i)[1][None], H).double() for i in range(3)]
     probs = [torch.softmax(Qs[i] @ K[i].double().transpose(1, 2) * layout.scaling, dim=-1) for i in range(3)]
@@ -219,7 +219,7 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
     budgets = global_budgets(scores, 0.2, min_fraction=config.min_head_fraction)
     assert [layer.lengths.tolist() for layer in cache.compact_layers] == budgets.tolist()
     n_fit = n_alone = 0
-    assert config.fit_scope == "merged"
+    assert config.fit.scope == "merged"
     for i, layer in enumerate(cache.compact_layers):
         offset = 0
         for h in range(H):
@@ -235,7 +235,7 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
             Qh, Qm = Qs[i][h:h + 1, rows].float(), Qs[i][h:h + 1, base].float()
             Kh, Vh = K[i][h:h + 1], V[i][h:h + 1]
             C_k, assign = merge_keys(Qm, Kh, anchors[None], None, layout.scaling, config.merging_coefficient())
-            alone = torch.bincount(assign[0], minlength=t)[None] == 1  # fit_scope="merged"
+            alone = torch.bincount(assign[0], minlength=t)[None] == 1  # fit.scope="merged"
             n_alone += int(alone.sum())
             beta, _ = fit_beta(Qh, Kh, C_k, layout.scaling, config=config.fit, fixed=alone)
             C_v = fit_values(Qh, Kh, Vh, C_k, beta, layout.scaling, config=config.fit, fixed=alone,
@@ -272,19 +272,6 @@ def test_budget_weights_give_per_head_budgets(tiny_model, tiny_tokenizer, tmp_pa
         compact(model, tok, make_text(70, seed=6), "arckv-vi", 0.25, budget_weights=torch.ones(3, 2))
 
 
-def test_context_fraction_uses_context_queries(tiny_model, tiny_tokenizer):
-    """Attention Matching's context_fraction = 1: reference rows come from the context prefill only
-    (no repeat)."""
-    model = tiny_model("llama", num_layers=2)
-    tok = tiny_tokenizer()
-    text = make_text(40, seed=4)
-    with torch.no_grad():
-        cache = compact(model, tok, text, "am-ha", 0.5, context_fraction=1.0, query_budget=30)
-    assert "repeat_prefill" not in cache.report.timings
-    assert cache.report.reference_rows == 30  # 15 context positions, 2 query heads each
-    assert cache.realised_ratio() == pytest.approx(0.5)
-
-
 # ------------------------------------------------------------------------------ fidelity
 
 
@@ -308,7 +295,7 @@ def test_fidelity_default_model(default_model_fp32):
     ids = torch.tensor([framing.prefix_ids + tok.encode(text, add_special_tokens=False)])
     P, T = len(framing.prefix_ids), ids.shape[1] - len(framing.prefix_ids)
     config = CompactionConfig(method="am-ha", ratio=0.3, query_budget=G * 400)
-    fit_pos, _ = reference_positions(T, G, config)
+    fit_pos = reference_positions(T, G, config)
     held = torch.tensor(sorted(set(range(T)) - set(fit_pos.tolist())))[::2]  # ~100 held-out positions
     layers = list(layout.full_attention_layers)[1::4]
 
@@ -363,28 +350,21 @@ def test_bad_input(tiny_model, tiny_tokenizer):
         compact(model, tok, " \n ", "arckv-ha", 0.5)
     with pytest.raises(ValueError, match="at least 16"):
         compact(model, tok, "short text", "arckv-ha", 0.5)
-    with pytest.raises(ValueError, match="at least 50"):
-        compact(model, tok, text, "arckv-ha", 0.5, min_length=50)
     for ratio in (0, 0.0, 1.5, -0.1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="ratio"):
             compact(model, tok, text, "arckv-ha", ratio)
     with pytest.raises(ValueError, match="unknown method 'omp'"):
         compact(model, tok, text, "omp", 0.5)
-    with pytest.raises(ValueError, match="context_fraction"):
-        compact(model, tok, text, "arckv-ha", 0.5, context_fraction=float("nan"))
     # options checked before any forward (CompactionConfig), not after the repeat-prefill
     with pytest.raises(ValueError, match="lambda_m"):
         CompactionConfig(method="arckv-ha", lambda_m=2.0)
     with pytest.raises(ValueError, match="allocation"):
         CompactionConfig(method="arckv-ha", allocation="uniform")
-    for am_only in (dict(on_policy=True), dict(context_fraction=0.5)):
-        with pytest.raises(ValueError, match="Attention Matching options"):
-            CompactionConfig(method="arckv-ha", **am_only)
-        CompactionConfig(method="am-ha", **am_only)
+    for retired in ("on_policy", "context_fraction", "min_length", "progress", "score_rows", "fit_scope"):
+        with pytest.raises(TypeError, match=retired):
+            CompactionConfig(method="arckv-ha", **{retired: 1})
     with pytest.raises(ValueError, match="pooling"):
         CompactionConfig(method="arckv-ha", pooling="median")
-    with pytest.raises(ValueError, match="min_length"):
-        CompactionConfig(method="arckv-ha", min_length=0)
 
     config = CompactionConfig(method="arckv-ha", ratio=0.5)
     ids = torch.randint(6, 100, (2, 40))
@@ -445,20 +425,6 @@ def test_arckv_refuses_an_indexer_of_another_model(tiny_model, tiny_tokenizer, t
         assert torch.equal(a.lengths, b.lengths) and torch.equal(a.ck, b.ck) and torch.equal(a.cv, b.cv)
 
 
-def test_on_policy_recaptures_queries_through_compacted_layers(tiny_model, tiny_tokenizer):
-    """AM's on_policy option: layer 0 sees the same queries, deeper layers queries recomputed
-    through the already compacted layers below them (so their caches differ)."""
-    model, tok = tiny_model("llama", num_layers=3), tiny_tokenizer()
-    text = " ".join(["alpha beta gamma delta epsilon"] * 14)
-    with torch.inference_mode():
-        off = compact(model, tok, text, method="am-omp-fast", ratio=0.25)
-        on = compact(model, tok, text, method="am-omp-fast", ratio=0.25, on_policy=True)
-    assert torch.equal(on.layers[0].ck, off.layers[0].ck) and torch.equal(on.layers[0].cv, off.layers[0].cv)
-    assert not torch.equal(on.layers[2].cv, off.layers[2].cv)
-    for layer in on.layers:
-        assert torch.isfinite(layer.cv).all() and layer.num_appended == off.layers[0].num_appended
-
-
 def test_compact_builds_no_autograd_graph(tiny_model, tiny_tokenizer):
     """``compact`` called with autograd on (as a user would) must not keep graphs of the prefill,
     repeat-prefill and fits alive (that cost 16.9 GB for a 2K-token document on the default
@@ -493,17 +459,24 @@ def test_min_head_fraction_floors_global_budgets(tiny_model, tiny_tokenizer):
         compact(model, tok, text, "arckv-ha", 0.2, min_head_fraction=1.5)
 
 
-@pytest.mark.parametrize("bad", [dict(merge_rows=0), dict(merge_rows=2.5), dict(score_rows=0), dict(indexer_rows="some")])
+@pytest.mark.parametrize("bad", [dict(merge_rows=0), dict(merge_rows=2.5), dict(indexer_rows=0), dict(indexer_rows="some"),
+                                 dict(indexer_rows=True), dict(indexer_rows="corrected")])
 def test_fused_pipeline_options_are_validated(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         CompactionConfig(method="arckv-ha", **bad)
     with pytest.raises(ValueError, match="gram_dtype"):
         FitConfig(gram_dtype="float16")
+    with pytest.raises(ValueError, match="scope"):
+        FitConfig(scope="some")
+    with pytest.raises(TypeError, match="witnesses"):
+        FitConfig(witnesses=1)
+    assert CompactionConfig(method="arckv-ha", fit={"scope": "all", "witnesses": False}).fit == FitConfig(scope="all",
+                                                                                                       witnesses=False)
 
 
 def test_config_id_covers_the_options_that_shape_a_result():
     """``config_id`` changes with every option that changes a compaction's result and with nothing
-    else: not the kept fraction or progress bars, and for Attention Matching not the ARC-KV-only
+    else: not the kept fraction, and for Attention Matching not the ARC-KV-only
     options it ignores. Budget weights count by content. ``method_config_id`` is the press's id."""
     from arckv_press.config import config_id
     from arckv_press.compaction.fit import FitConfig
@@ -513,32 +486,31 @@ def test_config_id_covers_the_options_that_shape_a_result():
         return config_id(CompactionConfig(**kw))
 
     base = cid(method="arckv-ha")
-    assert base == cid(method="arckv-ha", ratio=0.05, progress=True, min_length=99) and len(base) == 12
+    assert base == cid(method="arckv-ha", ratio=0.05) and len(base) == 12
     # the kept fraction counts only through the schedule: the id is that of the lambda_m / anchor search used
     assert base == cid(method="arckv-ha", lambda_m=0.25) == cid(method="arckv-ha", ratio=0.3, lambda_m=0.25)
     assert base == cid(method="arckv-ha", anchor_search="scores") == cid(method="arckv-ha", ratio=0.01, anchor_search="scores")
     low = cid(method="arckv-ha", ratio=0.02)
     assert low == cid(method="arckv-ha", ratio=0.01) == cid(method="arckv-ha", anchor_search="omp") != base
     assert cid(method="arckv-ha", ratio=0.01, lambda_m=1.0) == cid(method="arckv-ha", lambda_m=1.0, anchor_search="omp") != low
-    for change in (dict(min_head_fraction=0.25), dict(lambda_m=0.0), dict(fit_witnesses=False), dict(seed=1),
+    for change in (dict(min_head_fraction=0.25), dict(lambda_m=0.0), dict(fit={"witnesses": False}), dict(seed=1),
                    dict(query_budget=512), dict(allocation="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
                    dict(budget_weights=torch.ones(3, 2)), dict(merge_rows=None), dict(near_rows=True),
-                   dict(fit=FitConfig(gram_dtype="float64")), dict(fit_scope="all")):
+                   dict(fit=FitConfig(gram_dtype="float64")), dict(fit={"scope": "all"})):
         assert cid(method="arckv-ha", **change) != base, change
     assert cid(method="arckv-vi") != base
     # indexer_rows shapes only the learned indexer's results
     assert cid(method="arckv-ha", indexer_rows="budget") == base
     assert cid(method="arckv", indexer_rows="budget") != cid(method="arckv")
-    assert cid(method="arckv", indexer_rows="corrected") == cid(method="arckv") != cid(method="arckv", score_rows=256)
+    assert cid(method="arckv", indexer_rows=512) == cid(method="arckv") != cid(method="arckv", indexer_rows=256)
     assert cid(method="arckv", indexer_rows="all") != cid(method="arckv")
     assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) == cid(method="arckv-ha", budget_weights=torch.ones(3, 2))
     assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) != cid(method="arckv-ha", budget_weights=2 * torch.ones(3, 2))
     am = cid(method="am-omp")
-    assert am == cid(method="am-omp", min_head_fraction=0.25, lambda_m=0.0, fit_witnesses=False, allocation="fixed",
-                     merge_rows=7, near_rows=True, fit=FitConfig(gram_dtype="float64"), fit_scope="all")
-    assert am != cid(method="am-omp", context_fraction=0.5) != cid(method="am-omp", on_policy=True)
+    assert am == cid(method="am-omp", min_head_fraction=0.25, lambda_m=0.0, allocation="fixed", merge_rows=7,
+                     near_rows=True, fit=FitConfig(gram_dtype="float64", witnesses=False, scope="all"))
     # the id of the AM defaults is the one stored with the AM results before the fused pipeline existed
-    assert am == "eec358ad3241" and cid(method="am-omp-fast") == "47c5d1e0b5cc"
+    assert am == "0e60e218b55c" and cid(method="am-omp-fast") == "3492402276fb"
     assert am != cid(method="am-omp", query_budget=512) and am != cid(method="am-omp-fast")
     assert method_config_id("arckv-ha", 0.1) == base
     assert method_config_id("arckv-ha", 0.02) == cid(method="arckv-ha", ratio=0.02)
@@ -638,10 +610,10 @@ def test_indexer_on_budget_rows_equals_all_rows_when_the_budget_covers_every_pos
 
 
 def test_corrected_indexer_rows_estimate_all_rows_from_the_budget_rows(tiny_model, tiny_tokenizer, monkeypatch):
-    """``indexer_rows="corrected"``: when the budget holds every position the estimate is
+    """``indexer_rows`` a row count (corrected scores): when the budget holds every position the estimate is
     the all-row score and the cache is the one of ``"all"``; with a small budget each layer's scores
     are ``corrected_scores`` of the pass's HA scores over every row and the indexer's learned and base
-    scores on ``score_rows`` of the budget rows (recomputed here independently), for the residual and
+    scores on that many of the budget rows (recomputed here independently), for the residual and
     the paper's form (HA at the model's scale); max pooling and a residual base at another scale than
     the model's are refused."""
     import arckv_press.api as api_mod
@@ -655,7 +627,7 @@ def test_corrected_indexer_rows_estimate_all_rows_from_the_budget_rows(tiny_mode
     with torch.inference_mode():
         every = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=100_000, indexer_rows="all")
         corrected = compact(model, tok, text, "arckv", 0.25, indexer=indexer, query_budget=100_000,
-                            indexer_rows="corrected", score_rows=None)
+                            indexer_rows=100_000)
     for a, b in zip(every.layers, corrected.layers):
         assert torch.equal(a.lengths, b.lengths)
         for name in ("ck", "beta", "cv"):
@@ -678,12 +650,11 @@ def test_corrected_indexer_rows_estimate_all_rows_from_the_budget_rows(tiny_mode
         seen.clear()
         captured.clear()
         with torch.inference_mode():
-            compact(model, tok, text, "arckv", 0.25, indexer=form, query_budget=48, indexer_rows="corrected",
-                    score_rows=24)
+            compact(model, tok, text, "arckv", 0.25, indexer=form, query_budget=48, indexer_rows=24)
         assert len(seen) == 2 and sorted(captured) == [0, 1]
         for layer, ((full_base, sample, sample_base, pooling, shrink, fraction), out) in enumerate(seen):
             X, Q, K, V = captured[layer]
-            assert Q.shape[1] == 24 // G * G and pooling == "rms"  # score_rows of the 48 budget rows
+            assert Q.shape[1] == 24 // G * G and pooling == "rms"  # indexer_rows of the 48 budget rows
             assert shrink == 0.1 and fraction == Q.shape[1] / (G * K.shape[1])  # of every captured row
             torch.testing.assert_close(sample_base, ha_scores(Q, K, scaling), rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(sample, real_scores(form, layer, X, Q, K, V), rtol=1e-5, atol=1e-7)
@@ -692,10 +663,10 @@ def test_corrected_indexer_rows_estimate_all_rows_from_the_budget_rows(tiny_mode
     monkeypatch.undo()
 
     with pytest.raises(ValueError, match="pooling 'rms' or 'mean'"):
-        CompactionConfig(method="arckv", ratio=0.25, indexer_rows="corrected", pooling="max")
+        CompactionConfig(method="arckv", ratio=0.25, pooling="max")
     off = ValueAwareIndexer(IndexerConfig.from_model_config(model.config, base_logit_scale=scaling * 2), seed=5)
     with torch.inference_mode(), pytest.raises(ValueError, match="not the model's softmax scale"):
-        compact(model, tok, text, "arckv", 0.25, indexer=off, indexer_rows="corrected")
+        compact(model, tok, text, "arckv", 0.25, indexer=off)
 
 
 def test_omp_anchor_search_takes_the_am_search_on_the_budget_rows(tiny_model, tiny_tokenizer, monkeypatch):
@@ -721,7 +692,7 @@ def test_omp_anchor_search_takes_the_am_search_on_the_budget_rows(tiny_model, ti
         cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3, anchor_search="omp-fast")
         default = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3)
     config = CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3)
-    budget_pos, _ = reference_positions(T, G, config)
+    budget_pos = reference_positions(T, G, config)
     assert len(calls) == 3
     for (n_rows, budgets, valid, cfg), layer in zip(calls, cache.compact_layers):
         assert n_rows == G * budget_pos.numel() and cfg is AM_OMP_FAST

@@ -13,7 +13,7 @@ def test_synthetic_sweep_prints_the_ratio_of_the_timings_it_writes(tmp_path, cap
     scored, real = [], mod._indexer_selection
     monkeypatch.setattr(mod, "_indexer_selection", lambda *a: scored.append((a[2].shape[1], *a[-2:])) or real(*a))
     assert mod.main(argv) == 0
-    # the learned indexer is timed as its default indexer_rows="corrected": score_rows (512) of the budget
+    # the learned indexer is timed as its default corrected scores: indexer_rows (512) of the budget
     # rows, G = 3, with the default shrinkage and the sampled share of the G T rows
     assert scored and set(scored) == {(512 // 3 * 3, 0.1, 512 // 3 * 3 / (3 * T)) for T in (1024, 2048)}
     rows = list(csv.DictReader(out.open()))

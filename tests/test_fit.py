@@ -1,5 +1,6 @@
 """Tests for arckv_press.compaction.fit against numpy / scipy float64 references."""
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -312,7 +313,7 @@ def test_compact_layer_fits_each_head_at_its_own_anchor_count():
 
     Q, K, V, _ = _problem(H=3, n=80, T=40)
     budgets = torch.tensor([2, 17, 6])
-    res = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", fit_scope="all"))
+    res = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", fit=FitConfig(scope="all")))
     idx, valid = _prefix_order(*chunked_topk_anchors(ha_scores(Q, K, 0.3, pooling="rms"), budgets, 4096, 10_000))
     C_k, _ = merge_keys(Q, K, idx, valid, 0.3, lambda_m=0.25)
     beta, w = fit_beta(Q, K, C_k, 0.3, valid)
@@ -333,7 +334,7 @@ def test_anchor_values_bad_inputs():
         LayerMethod("am-omp", fit=FitConfig(values="anchor"))
 
 
-# ----------------------------------------------------------------------------- fixed slots (fit_scope="merged")
+# ----------------------------------------------------------------------------- fixed slots (FitConfig.scope="merged")
 
 
 def _fixed_problem():
@@ -443,7 +444,7 @@ def test_shared_logits_of_other_rows_or_blocks_are_refused():
 
 @pytest.mark.parametrize("lam", [0.25, 0.0])
 def test_fit_scope_merged_keeps_lone_anchors_and_fits_the_rest(lam):
-    """``fit_scope="merged"``: an anchor whose group (Eq. (anchor_assignment)) holds no other position
+    """``FitConfig.scope="merged"``: an anchor whose group (Eq. (anchor_assignment)) holds no other position
     keeps its key, value and beta = 0; the others are fitted to what those leave (numpy lstsq on
     the remaining mass and output). Checked head by head against the naive merge of test_merge."""
     from test_merge import _naive_merge
@@ -453,8 +454,8 @@ def test_fit_scope_merged_keeps_lone_anchors_and_fits_the_rest(lam):
     Q, K, V, _ = _problem(H=3, n=70, T=30, seed=80)
     budgets = torch.tensor([4, 22, 9])  # head 1 keeps most positions: most of its anchors are alone
     fit = FitConfig(mass_ridge=0.0, ridge_v=1e-3)
-    res = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", lambda_m=lam, fit=fit, fit_scope="merged"))
-    full = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", lambda_m=lam, fit=fit, fit_scope="all"))
+    res = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", lambda_m=lam, fit=dataclasses.replace(fit, scope="merged")))
+    full = compact_layer(K, V, Q, budgets, 0.3, LayerMethod("arckv-ha", lambda_m=lam, fit=dataclasses.replace(fit, scope="all")))
     C_ref, assign = _naive_merge(Q.numpy(), K.numpy(), res.anchors.numpy(), res.valid.numpy(), 0.3, lam)
     n_alone = 0
     for h in range(3):

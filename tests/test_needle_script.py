@@ -79,9 +79,9 @@ def test_press_options_reach_our_presses_and_their_ids(monkeypatch):
     from arckv_press.registry import result_ids
 
     needle = load_script("needle")
-    opts = {"fit_scope": "all"}
+    opts = {"fit": {"scope": "all"}}
     ids = CurrentIds(DEFAULT_MODEL_ID, opts)
-    as_press = {"config_options": {"fit_scope": "all"}}  # fit_scope is no ARCKVPress argument
+    as_press = {"config_options": {"fit": {"scope": "all"}}}  # fit is no ARCKVPress argument
     assert ids("arckv-ha", 0.1) == result_ids("arckv-ha", DEFAULT_MODEL_ID, 0.1, **as_press) != result_ids("arckv-ha", DEFAULT_MODEL_ID, 0.1)
     assert ids("snapkv", 0.1) == result_ids("snapkv", DEFAULT_MODEL_ID, 0.1)
     made = []

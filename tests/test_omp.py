@@ -15,6 +15,7 @@ import pytest
 import scipy.optimize
 import torch
 
+from arckv_press.compaction.fit import FitConfig
 from arckv_press.compaction.omp import (
     AM_HA,
     AM_OMP,
@@ -473,7 +474,7 @@ def test_layer_step_searches_omp_anchors_on_its_budget_rows():
     st = st.result()
     positions = torch.tensor([1, 4, 7, 9, 15, 20, 22, 28])
     budgets = torch.tensor([4, 6])
-    method = LayerMethod("arckv-ha", anchor_search="omp", fit_witnesses=False)
+    method = LayerMethod("arckv-ha", anchor_search="omp", fit=FitConfig(witnesses=False))
     res = compact_layer_from_stats(K, V, Q, st, budgets, 0.3, method, grouped_rows(positions, N, G))
     ref, ref_valid, _ = omp_select(Q[:, grouped_rows(positions, N, G)], K, budgets, 0.3, AM_OMP)
     for h in range(2):

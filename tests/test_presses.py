@@ -267,29 +267,6 @@ def test_press_creates_the_cache_when_none_is_passed(tiny_model):
     assert [layer.lengths.tolist() for layer in out.past_key_values.layers] == [[T // 2, T // 2]] * 2
 
 
-def test_context_fraction_capture_matches_library(tiny_model):
-    """Attention Matching's context_fraction: queries captured during the user's prefill = the
-    library's own capturing prefill."""
-    model, tok = tiny_model("llama", num_layers=2, initializer_range=TINY_INIT), _word_tokenizer()
-    framing = framing_for(tok)
-    ids = torch.tensor([framing.prefix_ids + tok.encode(_tiny_context(80, seed=5), add_special_tokens=False)])
-    opts = dict(ratio=0.25, query_budget=64, context_fraction=0.5, seed=3)
-    press = AttentionMatchingPress(variant="ha", tokenizer=tok, **opts)
-    cache, ref = DynamicCache(config=model.config), DynamicCache(config=model.config)
-    with torch.inference_mode():
-        with press(model):
-            model.model(input_ids=ids, past_key_values=cache)
-        compact_prefilled(model, tok, ref, ids, len(framing.prefix_ids), CompactionConfig(method="am-ha", **opts))
-        base = DynamicCache(config=model.config)  # same without context queries: must differ
-        with AttentionMatchingPress(variant="ha", tokenizer=tok, **{**opts, "context_fraction": 0.0})(model):
-            model.model(input_ids=ids, past_key_values=base)
-    assert press.last_report.reference_rows == 64  # query_budget // G positions x G query heads
-    for a, b, c in zip(cache.layers, ref.layers, base.layers):
-        assert torch.equal(a.lengths, b.lengths)
-        assert torch.equal(a.ck, b.ck) and torch.equal(a.beta, b.beta) and torch.equal(a.cv, b.cv)
-        assert not torch.equal(a.cv, c.cv)
-
-
 # --------------------------------------------------------------------------- registry
 def test_registry_names_and_constructors():
     assert METHOD_NAMES == (

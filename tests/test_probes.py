@@ -116,10 +116,10 @@ def test_probe_config_parsing_builds_press_options():
     with pytest.raises(ValueError, match="values must be one of"):
         mod.parse_config("arckv:values=copy")
     method, options = mod.parse_config("arckv-ha:wit=0,qb=512")
-    assert options == {"config_options": {"fit_witnesses": False}, "query_budget": 512}
+    assert options == {"config_options": {"fit": FitConfig(witnesses=False)}, "query_budget": 512}
     config = make_press(method, 0.2, **options).compaction_config()
-    assert config.fit_witnesses is False and config.query_budget == 512
-    assert make_press("arckv-ha", 0.2).compaction_config().fit_witnesses is True
+    assert config.fit.witnesses is False and config.query_budget == 512
+    assert make_press("arckv-ha", 0.2).compaction_config().fit.witnesses is True
     with pytest.raises(ValueError, match="wit= takes 0 or 1"):
         mod.parse_config("arckv-ha:wit=yes")
     method, options = mod.parse_config("arckv-ha:floor=0.75")
@@ -195,7 +195,7 @@ def test_parse_option_reads_literals_and_words():
 
     assert parse_option("lambda_m=0.5") == ("lambda_m", 0.5)
     assert parse_option("indexer=None") == ("indexer", None)
-    assert parse_option("fit_scope=merged") == ("fit_scope", "merged")
+    assert parse_option("anchor_search=omp") == ("anchor_search", "omp")
     with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
         parse_option("lambda_m")
 
@@ -209,15 +209,15 @@ def test_option_argument_collects_a_dict_and_press_options_split_it():
     p = argparse.ArgumentParser()
     add_option_argument(p)
     assert p.parse_args([]).options == {}
-    args = p.parse_args(["--option", "lambda_m=1.0", "--option", "fit_scope=all", "--option", "lambda_m=0.5"])
-    assert args.options == {"lambda_m": 0.5, "fit_scope": "all"}  # the last value of a key wins
+    args = p.parse_args(["--option", "lambda_m=1.0", "--option", "anchor_search=omp", "--option", "lambda_m=0.5"])
+    assert args.options == {"lambda_m": 0.5, "anchor_search": "omp"}  # the last value of a key wins
     assert p.parse_args([]).options == {}  # the default is never mutated
     # a field the press takes as an argument is passed as one, the others in config_options
     kw = press_options("arckv-ha", args.options)
-    assert kw == {"lambda_m": 0.5, "config_options": {"fit_scope": "all"}}
+    assert kw == {"lambda_m": 0.5, "config_options": {"anchor_search": "omp"}}
     config = make_press("arckv-ha", 0.1, **kw).compaction_config()
-    assert (config.lambda_m, config.fit_scope) == (0.5, "all")
-    assert press_options("am-omp", {"fit_scope": "all"}) == {"config_options": {"fit_scope": "all"}}
+    assert (config.lambda_m, config.anchor_search) == (0.5, "omp")
+    assert press_options("am-omp", {"anchor_search": "omp"}) == {"config_options": {"anchor_search": "omp"}}
     assert press_options("snapkv", args.options) == {} and press_options("arckv-ha", {}) == {}
     with pytest.raises(ValueError, match="unknown method"):
         press_options("nope", {})

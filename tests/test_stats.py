@@ -249,7 +249,7 @@ def test_compact_layer_from_stats_equals_compact_layer_on_the_same_rows():
     Q, K, V, st, base = _layer_problem(6)
     H = Q.shape[0]
     budgets = torch.tensor([8, 12])
-    method = LayerMethod("arckv-ha", fit_witnesses=False)
+    method = LayerMethod("arckv-ha", fit=FitConfig(witnesses=False))
     got = compact_layer_from_stats(K, V, Q, st, budgets, 0.3, method, base, None)
     ref = compact_layer(K, V, Q[:, base], budgets, 0.3, method, scores=st.scores)
     assert torch.equal(got.anchors[got.valid], ref.anchors[ref.valid])

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from arckv_press.compaction.fit import FitConfig
 from arckv_press.compaction.stats import ReferenceStats, split_attention
 from arckv_press.compaction.witness import anchor_witnesses
 
@@ -84,7 +85,7 @@ def test_witness_keeps_an_anchor_read_by_one_sharp_query(seed):
     st = _stats(Q, K, V, 1.0)
     err, held = {}, {}
     for wit in (True, False):
-        res = compact_layer_from_stats(K, V, Q, st, torch.tensor([48]), 1.0, LayerMethod("arckv-ha", fit_witnesses=wit),
+        res = compact_layer_from_stats(K, V, Q, st, torch.tensor([48]), 1.0, LayerMethod("arckv-ha", fit=FitConfig(witnesses=wit)),
                                        torch.arange(200), None, scores)
         assert res.fit_rows > 200 if wit else res.fit_rows == 200
         for name, rows, out in (("sharp", slice(sharp, sharp + 1), err), ("held", slice(200, 350), held)):

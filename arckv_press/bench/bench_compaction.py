@@ -34,8 +34,8 @@ post without chunks up to ``--unchunked-max-T`` (``post_unchunked``, ``post_unch
 ``--max-T`` (at most 131072). OMP-fast is not run at a length once a shorter one took more than
 ``--omp-cap`` seconds. The growth of post and of its memory per doubling of T, and post / pass at
 each T, are printed from the same run. When the default model's indexer
-is shipped, its default anchor selection (``indexer_rows="corrected"``: layer 0's parameters on
-``score_rows`` of the budget rows, corrected by the pass's HA scores) is timed too.
+is shipped, its default anchor selection (``indexer_rows`` a row count: layer 0's parameters on
+that many of the budget rows, corrected by the pass's HA scores) is timed too.
 
     python scripts/bench_compaction.py --quick
     python scripts/bench_compaction.py --lengths 1K 2K 4K 8K --repeats 3 --max-T 65536
@@ -339,7 +339,7 @@ def _synthetic_indexer(H: int, D: int):
 
 
 def _indexer_selection(indexer, X, Q, K, V, budgets, scaling, full_base, shrink: float, fraction: float):
-    """ARC-KV's default anchor selection with the learned indexer (layer 0), ``indexer_rows="corrected"``:
+    """ARC-KV's default anchor selection with the learned indexer (layer 0), ``indexer_rows`` a row count:
     its learned and base scores on the scored rows ``Q`` (``X`` aligned, the ``fraction`` of every row),
     corrected by the base pooled over every row (``full_base``, which the statistics pass computes), then
     top-t."""
@@ -463,7 +463,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
     indexer = _synthetic_indexer(H, D)
     config = CompactionConfig(method="arckv-ha")
     method = config.layer_method()
-    corrected = CompactionConfig(method="arckv")  # the learned indexer's default: indexer_rows="corrected"
+    corrected = CompactionConfig(method="arckv")  # the learned indexer's default: corrected scores
     print(f"\nsynthetic heads: H={H} KV heads, G={G} query heads each, D={D}, float32, T in {Ts}, "
           f"rho {' '.join(f'{r:g}' for r in args.synthetic_ratios)}; median of {args.repeats} repeat(s).\n"
           f"arckv-ha: the default pipeline, one reference row per query head and position (G T rows), its "
@@ -473,8 +473,8 @@ def synthetic_section(args, meta: dict) -> list[dict]:
           f"'MiB' its peak memory above its start. 'unchunked': the same post without chunks (the path below "
           f"{method.chunk_min_length} positions), up to --unchunked-max-T {args.unchunked_max_T}. OMP-fast on "
           f"n = max({args.queries}, 2t) rows. "
-          + (f"Learned indexer: the shipped one, layer 0, selection with indexer_rows='corrected' (its scores on "
-             f"{corrected.score_rows} budget rows, corrected by HA over every row)." if indexer is not None else
+          + (f"Learned indexer: the shipped one, layer 0, selection with corrected scores (its scores on "
+             f"{corrected.indexer_rows} budget rows, corrected by HA over every row)." if indexer is not None else
              "No learned indexer shipped."))
     head = (f"{'T':>6} {'rho':>5} | {'pass s':>8} {'post s':>8} {'merge':>7} {'beta':>7} {'C_v':>7} {'MiB':>6} "
             f"{'post/pass':>9} | {'unchunked':>9} {'MiB':>6} | {'idx-sel s':>9} | {'omp-fast s':>10} {'omp/post':>9}")

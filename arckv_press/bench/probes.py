@@ -59,9 +59,7 @@ def parse_config(text: str) -> tuple[str, dict]:
     fit: dict = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key == "ctx":
-            options["context_fraction"] = float(value)
-        elif key == "pool":
+        if key == "pool":
             options.setdefault("config_options", {})["pooling"] = value
         elif key == "alloc":
             options.setdefault("config_options", {})["allocation"] = value
@@ -70,14 +68,14 @@ def parse_config(text: str) -> tuple[str, dict]:
         elif key == "floor":
             options["min_head_fraction"] = float(value)
         elif key == "wit":
-            options.setdefault("config_options", {})["fit_witnesses"] = _flag(value, text)
+            fit["witnesses"] = _flag(value, text)
         elif key == "qb":
             options["query_budget"] = int(value)
         elif key in FIT_KEYS:
             fit[FIT_KEYS[key]] = float(value) if key == "ridge" else value
         else:
             raise ValueError(
-                f"unknown option {key!r} in config {text!r} (use ctx=, pool=, alloc=, lam=, floor=, wit=, qb=, values=, "
+                f"unknown option {key!r} in config {text!r} (use pool=, alloc=, lam=, floor=, wit=, qb=, values=, "
                 "prior=, ridge=)"
             )
     if fit:

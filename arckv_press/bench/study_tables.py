@@ -80,8 +80,11 @@ def dev_damage(rows: list[dict], labels: dict[tuple[str, str], str] | None = Non
         if given:
             if name not in checkers:
                 checkers[name] = CurrentIds(model_id, given)
-            if checkers[name].matches(r):
-                return name
+            try:
+                if checkers[name].matches(r):
+                    return name
+            except (TypeError, ValueError):  # options the code no longer takes: the row's stored label
+                pass
         return labels.get((r["method"], r["config_id"]), f"config {r['config_id']}")
 
     def length(r: dict) -> str:

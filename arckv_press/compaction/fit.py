@@ -40,13 +40,26 @@ logger = logging.getLogger(__name__)
 
 MASS_SOLVERS = ("ls_clamp", "nnls")
 VALUE_MODES = ("fit", "anchor")
+FIT_SCOPES = ("all", "merged")
 _PIVOT_RTOL = 1e-13  # Cholesky pivots below this fraction of their diagonal count as zero
 
 
 @dataclass
 class FitConfig:
-    """Hyperparameters of paper Eqs. (mass_fit) and (value_lstsq).
+    """Hyperparameters of paper Eqs. (mass_fit) and (value_lstsq): which anchors and rows are fitted,
+    and how.
 
+    scope: which anchors beta (Eq. (mass_fit)) and C_v (Eq. (value_lstsq)) are fitted for, in
+        :mod:`~arckv_press.compaction.layer` (ARC-KV methods): ``"merged"`` (default): only anchors
+        whose group (Eq. (anchor_assignment)) holds other positions; an anchor that absorbed none
+        keeps its key, its value and beta = 0, exactly its own term of the full attention, and the
+        fits solve for what the others must add (:func:`fit_beta` / :func:`fit_values` ``fixed``),
+        so they grow with the square of the merged anchors instead of all anchors. ``"all"``: every
+        anchor (the paper).
+    witnesses: when merging and the fits use a subset of the scoring pool, add every anchor's
+        witness query (the pooled row that attends to it most,
+        :mod:`~arckv_press.compaction.witness`) to that subset (ARC-KV methods): without it, anchors
+        picked for a planted needle get C_v fitted from queries that barely touch them.
     eps_w: floor before the log in Eq. (mass_fit). 1e-12 only prevents log(0); with the
         default ``b_min`` the clip is what actually bounds beta (log 1e-12 = -27.6 < -20).
     b_min, b_max: finite guard on beta. exp(-20) ~ 2e-9 makes an anchor with w* = 0 inert
@@ -84,6 +97,8 @@ class FitConfig:
         products lose no input precision; "float64" was the default before the fused pipeline.
     """
 
+    scope: str = "merged"
+    witnesses: bool = True
     eps_w: float = 1e-12
     b_min: float = -20.0
     b_max: float = 20.0
@@ -98,6 +113,10 @@ class FitConfig:
     gram_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.scope not in FIT_SCOPES:
+            raise ValueError(f"scope must be one of {FIT_SCOPES}, got {self.scope!r}")
+        if not isinstance(self.witnesses, bool):
+            raise TypeError(f"witnesses must be a bool, got {type(self.witnesses).__name__}")
         if not (math.isfinite(self.eps_w) and self.eps_w > 0):
             raise ValueError(f"eps_w must be finite and > 0, got {self.eps_w}")
         if not (math.isfinite(self.b_min) and math.isfinite(self.b_max) and self.b_min < self.b_max):

@@ -10,7 +10,7 @@ as an object with a ``scores(layer, X, Q, K, V, pooling)`` method). Methods:
   (Eq. (value_lstsq); or the anchors' own values with ``fit.values="anchor"``).
   ``compact_layer`` merges and fits on every row of ``Q``, over the whole document;
   ``compact_layer_from_stats`` (the compaction's path) on the budget rows plus each head's anchors'
-  witness rows (:mod:`.witness`; ``fit_witnesses``), and chunk by chunk for documents longer than
+  witness rows (:mod:`.witness`; ``fit.witnesses``), and chunk by chunk for documents longer than
   ``chunk_min_length`` (:mod:`.chunks`).
 - ``am-omp``, ``am-omp-fast``, ``am-ha``: the Attention Matching baselines (:mod:`.omp`).
 """
@@ -32,10 +32,8 @@ from arckv_press.compaction.witness import block_witnesses, head_fit_rows
 from arckv_press.methods import Method
 from arckv_press.methods import method as lookup_method
 
-__all__ = ["LayerMethod", "LayerResult", "compact_layer", "compact_layer_from_stats", "anchor_scores", "omp_anchors",
-           "FIT_SCOPES"]
+__all__ = ["LayerMethod", "LayerResult", "compact_layer", "compact_layer_from_stats", "anchor_scores", "omp_anchors"]
 
-FIT_SCOPES = ("all", "merged")
 ANCHOR_SEARCHES = {"scores": None, "omp": AM_OMP, "omp-fast": AM_OMP_FAST}
 
 
@@ -50,25 +48,15 @@ class LayerMethod:
         chunk_len / chunk_min_length: for documents longer than ``chunk_min_length``, contiguous chunks
             of ``chunk_len`` positions: chunked top-t (App. KV-Based Chunking) and, in
             :func:`compact_layer_from_stats`, merging and fits inside each chunk (:mod:`.chunks`).
-        fit: beta / C_v fitting options.
+        fit: which anchors and rows are fitted (``scope``, ``witnesses``) and how
+            (:class:`~.fit.FitConfig`).
         block: position block of the merge assignment (bounds memory; 256 keeps the ``[n, block]``
             profiles in the CPU caches).
-        fit_scope: which anchors beta (Eq. (mass_fit)) and C_v (Eq. (value_lstsq)) are fitted for:
-            ``"merged"`` (default): only anchors whose group (Eq. (anchor_assignment)) holds other
-            positions; an anchor that absorbed none keeps its key, its value and beta = 0, exactly
-            its own term of the full attention, and the fits solve for what the others must add
-            (:func:`~.fit.fit_beta` / :func:`~.fit.fit_values` ``fixed``). The fits then grow with
-            the square of the merged anchors, at most the positions a head drops, instead of all
-            its anchors. ``"all"``: every anchor (the paper).
         anchor_search: how anchors are found. ``"scores"`` (default): the top-t of the selector's
             pooled scores (Eq. (indexer_pooling)); ``"omp"`` / ``"omp-fast"``: Attention Matching's
             greedy OMP search on the budget rows (:func:`~.omp.omp_select`, which refits the
             attention mass after each pick), with the same per-head budgets, then the same merging
             and fits.
-        fit_witnesses: when merging and the fits use a subset of the scoring pool, add every
-            anchor's witness query (the pooled row that attends to it most, :mod:`.witness`)
-            to that subset: without it, anchors picked for a planted needle get C_v fitted from
-            queries that barely touch them (``docs/results.md``, "Why ARC-KV lost needles").
     """
 
     name: str = "arckv"
@@ -78,15 +66,11 @@ class LayerMethod:
     chunk_min_length: int = 10_000
     fit: FitConfig = field(default_factory=FitConfig)
     block: int = 256
-    fit_witnesses: bool = True
-    fit_scope: str = "merged"
     anchor_search: str = "scores"
 
     def __post_init__(self) -> None:
         if self.anchor_search not in ANCHOR_SEARCHES:
             raise ValueError(f"anchor_search must be one of {tuple(ANCHOR_SEARCHES)}, got {self.anchor_search!r}")
-        if self.fit_scope not in FIT_SCOPES:
-            raise ValueError(f"fit_scope must be one of {FIT_SCOPES}, got {self.fit_scope!r}")
         lookup_method(self.name, ours=True)
         if not 0.0 <= self.lambda_m <= 1.0:
             raise ValueError(f"lambda_m must be in [0, 1], got {self.lambda_m}")
@@ -294,7 +278,7 @@ def compact_layer_from_stats(
     check_anchors(idx, valid, K.shape[1])
     row_max, row_lse, row_out = stats.rows("row_max"), stats.rows("row_lse"), stats.rows("row_out")
     H, t_max = valid.shape
-    if method.fit_witnesses:
+    if method.fit.witnesses:
         with watch("fit_rows"):
             witnesses = block_witnesses(Q, K, idx, scaling, row_lse, stats.witness_pos, stats.block, stats.G)
     C_k, C_v = K.new_zeros(H, t_max, K.shape[2]), V.new_zeros(H, t_max, V.shape[2])
@@ -312,7 +296,7 @@ def compact_layer_from_stats(
             if not slots.numel():
                 continue
             with watch("fit_rows"):
-                rows = head_fit_rows(witnesses[h, slots], base_rows) if method.fit_witnesses else base_rows.to(K.device)
+                rows = head_fit_rows(witnesses[h, slots], base_rows) if method.fit.witnesses else base_rows.to(K.device)
                 n_rows = max(n_rows, rows.numel())
                 Qh, Y = Q[h, rows][None], row_out[h, rows][None]
                 Qm = Qh if merge_rows is None else Q[h, merge_rows.to(K.device)][None]
@@ -348,10 +332,10 @@ def _compact_head(
             C_k, assignment = merge_keys(Qm, K, idx, valid, scaling, lambda_m=method.lambda_m, block=method.block)
         else:
             C_k = K.gather(1, idx[:, :, None].expand(-1, -1, K.shape[2]))
-            if method.fit_scope == "merged":
+            if method.fit.scope == "merged":
                 assignment = assign_to_anchors(Qm, K, idx, valid, scaling, method.block)
     fixed = None
-    if method.fit_scope == "merged":  # anchors that absorbed no other position keep their own term
+    if method.fit.scope == "merged":  # anchors that absorbed no other position keep their own term
         fixed = torch.stack([torch.bincount(a, minlength=idx.shape[1]) for a in assignment]) == 1
     with watch("beta_fit"):  # the logits of the fit rows against C_k serve both fits
         logits = compact_logits(Q, C_k, scaling, method.fit.block_rows)

@@ -61,9 +61,6 @@ Memory (the method's own, no blocking over queries): ``E`` is ``[H, n, T]`` floa
 (``4 H n T`` bytes, 50 MB for H=3, n=T=2048); OMP adds the selected columns ``[H, t_max, n]`` and
 the Cholesky factor ``[H, t_max, t_max]`` in float64; HA needs a second ``[H, n, T]`` for the
 softmax weights.
-
-AM's ``on_policy`` option (the reference queries of layer ``l`` recomputed with the lower layers
-already compacted) is model plumbing and lives in the capture/api layer, not here.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ parallelism); nothing is written otherwise. Fields:
   :func:`arckv_press.registry.indexer_id`), empty for the other presses;
 - ``config_id``: content id of the compaction options (our presses;
   :func:`arckv_press.config.config_id`), empty for kvpress presses and ``ratio=1``;
-- ``compacted`` (false for ``none`` and for documents shorter than the press's ``min_length``,
+- ``compacted`` (false for ``none`` and for documents shorter than
+  :data:`arckv_press.config.MIN_LENGTH` tokens,
   which keep the full cache; ``note`` says why), ``requests`` and ``tasks``: the requests served
   by the group of requests that triggered the compaction.
 """
@@ -92,6 +93,7 @@ from tqdm import tqdm
 
 from arckv_press.cache import cache_nbytes, cache_snapshot, restore_cache
 from arckv_press.compaction.checks import check_ratio
+from arckv_press.config import MIN_LENGTH
 from arckv_press.lm_eval.plugin import MODEL_NAME
 from arckv_press.tasks._common import doc_markers as markers
 from arckv_press.tasks._common.doc_markers import DOC_END, DOC_START
@@ -474,8 +476,8 @@ class HFArcKV(HFLM):
             if self._press is not None and self._ours:
                 config = self._press.compaction_config()
                 method = config.method
-                if n_doc < config.min_length:
-                    record.update(compacted=False, note=f"document of {n_doc} tokens < min_length {config.min_length}: full cache")
+                if n_doc < MIN_LENGTH:
+                    record.update(compacted=False, note=f"document of {n_doc} tokens < {MIN_LENGTH}: full cache")
                     model.model(input_ids=ids, past_key_values=cache)
                     result = None
                 else:
