@@ -605,6 +605,35 @@ def test_headline_table_from_rows_and_doc_update(tmp_path):
         doc_blocks.update_doc(readme, [("headline", "lb.csv", "| t |")])
 
 
+def test_cross_model_table_keeps_models_apart():
+    """The cross-model table: a row per benchmark and model (the default model first, models without
+    rows left out), keep 10% with its interval then keep 5% per compact method, the references with
+    theirs; the per-model tables (``of_model``) read the default model's rows only, so a second
+    model's rows never overwrite the default model's in the headline."""
+    from arckv_press.models import DEFAULT_MODEL_ID, GEMMA3_MODEL_ID
+
+    def r(model, bench, method, ratio, score, n="4", **kw):
+        task = "continuation" if bench == "fidelity" else bench
+        return {"model": model, "benchmark": bench, "task": task, "method": method, "ratio": ratio, "score": score,
+                "n_examples": n, **kw}
+
+    rows = [r(GEMMA3_MODEL_ID, "fidelity", "arckv", "0.1", "0.7", ci_low="0.6", ci_high="0.8"),
+            r(GEMMA3_MODEL_ID, "fidelity", "none", "1", "1", ci_low="1", ci_high="1"),
+            r(GEMMA3_MODEL_ID, "needle", "kvzip", "0.05", "0.5", "2"),
+            r(DEFAULT_MODEL_ID, "fidelity", "arckv", "0.1", "0.9"), r(DEFAULT_MODEL_ID, "fidelity", "arckv", "0.05", "0.8"),
+            r(DEFAULT_MODEL_ID, "fidelity", "snapkv", "0.1", "0.85"), r(DEFAULT_MODEL_ID, "ruler", "arckv", "0.2", "0.3")]
+    lines = doc_tables.cross_model_markdown(rows).splitlines()
+    assert lines[0] == "| benchmark @ model | full | no context | AM (OMP-fast) | EA | SnapKV | KVzip | ARC-KV |"
+    assert lines[2:] == [
+        "| continuation fidelity @ smollm2-135m | - | - | - | - | 0.85 · - | - | 0.90 · 0.80 |",
+        "| needles @ gemma3-270m | - | - | - | - | - | - · 1/2 | - |",
+        "| continuation fidelity @ gemma3-270m | 1.00 [1.00, 1.00] | - | - | - | - | - | 0.70 [0.60, 0.80] · - |"]
+    assert doc_tables.of_model(rows) == rows[3:]
+    assert doc_tables.of_model(rows, GEMMA3_MODEL_ID) == rows[:3]
+    headline = doc_tables.headline_markdown(doc_tables.of_model(rows)).splitlines()
+    assert next(line for line in headline if line.startswith("| `arckv` |")) == "| `arckv` | - | - · 0.90 · 0.80 | 0.30 · - · - | - |"
+
+
 def test_benchmark_table_from_rows(tmp_path):
     """A cell per (method, kept fraction) present, ``-`` for a missing one, the references on every
     column, needles as found/total; a doc without a block's markers is refused unchanged."""

@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 from arckv_press.runinfo import read_rows
 
 from .leaderboard.doc_blocks import update_doc
-from .leaderboard.doc_tables import benchmark_markdown, best_markdown, headline_markdown
+from .leaderboard.doc_tables import benchmark_markdown, best_markdown, cross_model_markdown, headline_markdown, of_model
 from .leaderboard.intervals import COMPARISON_FIELDS, add_intervals, comparisons
 from .leaderboard.plots import plot_benchmark, plot_long_context, plot_probes
 from .leaderboard.readers import current_rows, read_fidelity, read_needle, read_records, read_results
@@ -57,10 +57,12 @@ class GeneratedTable(NamedTuple):
 
 #: the generators a ``[[block]]`` of the manifest names by its ``table``
 TABLES: dict[str, GeneratedTable] = {
-    "headline": GeneratedTable(lambda rows, s, p: headline_markdown(rows)),
-    "best": GeneratedTable(lambda rows, s, p: best_markdown(rows, s.ranked())),
-    "benchmark": GeneratedTable(lambda rows, s, p: benchmark_markdown(rows, p["benchmark"], p["task"]),
-                                ("benchmark", "task", "title"), ("label",)),
+    "headline": GeneratedTable(lambda rows, s, p: headline_markdown(of_model(rows, p.get("model"))), (), ("model",)),
+    "best": GeneratedTable(lambda rows, s, p: best_markdown(of_model(rows, p.get("model")), s.ranked()), (), ("model",)),
+    "benchmark": GeneratedTable(lambda rows, s, p: benchmark_markdown(of_model(rows, p.get("model")), p["benchmark"],
+                                                                      p["task"]),
+                                ("benchmark", "task", "title"), ("label", "model")),
+    "cross-model": GeneratedTable(lambda rows, s, p: cross_model_markdown(rows)),
     "compaction-time": GeneratedTable(lambda rows, s, p: compaction_time_markdown(rows, threads=p.get("threads", 1)),
                                       (), ("threads",)),
     "development-split": GeneratedTable(
@@ -68,7 +70,8 @@ TABLES: dict[str, GeneratedTable] = {
         (), ("labels",)),
     "selectors": GeneratedTable(lambda rows, s, p: selectors_markdown(rows)),
     "long-context": GeneratedTable(lambda rows, s, p: long_context_markdown(rows)),
-    "evidence-cost": GeneratedTable(lambda rows, s, p: evidence_cost_markdown(rows, s.ranked())),
+    "evidence-cost": GeneratedTable(lambda rows, s, p: evidence_cost_markdown(of_model(rows, p.get("model")), s.ranked()),
+                                    (), ("model",)),
 }
 
 

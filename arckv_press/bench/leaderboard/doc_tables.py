@@ -12,10 +12,27 @@ from arckv_press.methods import METHOD_NAMES
 from .intervals import examples_of
 from .table import REFERENCE_METHODS, fmt_ratio, num
 
-__all__ = ["HEADLINE_RATIOS", "BEST_RATIO", "headline_markdown", "best_markdown", "benchmark_markdown"]
+__all__ = ["HEADLINE_RATIOS", "BEST_RATIO", "CROSS_MODEL_RATIOS", "CROSS_MODEL_COLUMNS", "CROSS_MODEL_BENCHMARKS",
+           "of_model", "headline_markdown", "best_markdown", "benchmark_markdown", "cross_model_markdown"]
 
 HEADLINE_RATIOS = (0.2, 0.1, 0.05)
 BEST_RATIO = 0.1
+CROSS_MODEL_RATIOS = (0.1, 0.05)
+#: the cross-model table's columns (label, method), the paper's: full, no context, AM, EA, SnapKV, KVzip, ARC-KV
+CROSS_MODEL_COLUMNS = (("full", "none"), ("no context", "no-context"), ("AM (OMP-fast)", "am-omp-fast"),
+                       ("EA", "expected_attention"), ("SnapKV", "snapkv"), ("KVzip", "kvzip"), ("ARC-KV", "arckv"))
+#: its rows per model (label, benchmark, task)
+CROSS_MODEL_BENCHMARKS = (("needles", "needle", "needle"), ("continuation fidelity", "fidelity", "continuation"),
+                          ("RULER 2K", "ruler", "ruler"), ("RULER 4K", "ruler_4k", "ruler_4k"))
+
+
+def of_model(rows: list[dict], model_id: str | None = None) -> list[dict]:
+    """The rows of one model (``model_id``, default the default model's): the per-model tables never
+    mix models."""
+    from arckv_press.models import DEFAULT_MODEL_ID
+
+    model_id = model_id or DEFAULT_MODEL_ID
+    return [r for r in rows if (r.get("model") or DEFAULT_MODEL_ID) == model_id]
 
 
 def _value(r: dict | None, kind: str) -> str:
@@ -118,4 +135,35 @@ def benchmark_markdown(rows: list[dict], benchmark: str, task: str) -> str:
         ref = next((r for (name, _), r in cells.items() if name == m), None)
         if ref is not None:
             lines.append("| " + " | ".join([label, *[_value(ref, kind)] * len(ratios)]) + " |")
+    return "\n".join(lines)
+
+
+def cross_model_markdown(rows: list[dict]) -> str:
+    """The README's cross-model table (the paper's): a row per benchmark and model (the models of
+    :data:`arckv_press.models.MODELS` that have rows, the default first), a column per method of
+    :data:`CROSS_MODEL_COLUMNS`; a compact method's cell is its keep-10% value with its 95% interval
+    over examples, then its keep-5% value; the references' cells their value and interval; ``-``
+    where a method has no row (a row with no cell at all is left out)."""
+    from arckv_press.models import MODELS
+
+    lines = ["| benchmark @ model | " + " | ".join(label for label, _ in CROSS_MODEL_COLUMNS) + " |",
+             "|---|" + "---:|" * len(CROSS_MODEL_COLUMNS)]
+    for spec in MODELS.values():
+        mine = of_model(rows, spec.model_id)
+        for label, bench, task in CROSS_MODEL_BENCHMARKS:
+            here = [r for r in mine if r["benchmark"] == bench and r["task"] == task and r["ratio"] not in ("", None)]
+            if not here:
+                continue
+            kind = _kind(bench)
+            cells = []
+            for _, method in CROSS_MODEL_COLUMNS:
+                if method in REFERENCE_METHODS:
+                    cells.append(_with_interval(next((r for r in here if r["method"] == method), None), kind))
+                    continue
+                by_ratio = {round(float(r["ratio"]), 6): r for r in here if r["method"] == method}
+                values = [(_with_interval if ratio == CROSS_MODEL_RATIOS[0] else _value)(by_ratio.get(ratio), kind)
+                          for ratio in CROSS_MODEL_RATIOS]
+                cells.append(" · ".join(values) if any(v != "-" for v in values) else "-")
+            if any(c != "-" for c in cells):
+                lines.append("| " + " | ".join([f"{label} @ {spec.name}", *cells]) + " |")
     return "\n".join(lines)
