@@ -57,15 +57,26 @@ def _kind(benchmark: str) -> str:
     return "needle" if benchmark == "needle" or benchmark.startswith("needle_") else "score"
 
 
+def _pick(rows: list[dict], bench: str, task: str) -> dict[tuple[str, float], dict]:
+    """The rows of one benchmark and task by ``(method, ratio)`` (rows without a ratio left out)."""
+    return {(r["method"], round(float(r["ratio"]), 6)): r for r in rows
+            if r["benchmark"] == bench and r["task"] == task and r["ratio"] not in ("", None)}
+
+
+def _ratio_cell(table: dict, method: str, ratios: Sequence[float], interval_ratio: float | None, kind: str) -> str:
+    """One method's values at ``ratios`` joined by `` · `` (the one at ``interval_ratio`` with its
+    interval); ``-`` when it has none."""
+    values = [(_with_interval if ratio == interval_ratio else _value)(table.get((method, ratio)), kind)
+              for ratio in ratios]
+    return " · ".join(values) if any(v != "-" for v in values) else "-"
+
+
 def headline_markdown(rows: list[dict]) -> str:
     """The README's headline table: per method, needles found, continuation fidelity, RULER and
     compaction time at keep 20 / 10 / 5%; the keep-10% values and the references carry their 95%
     interval over examples where the row stores one."""
-    def pick(bench: str, task: str) -> dict[tuple[str, float], dict]:
-        return {(r["method"], round(float(r["ratio"]), 6)): r for r in rows
-                if r["benchmark"] == bench and r["task"] == task and r["ratio"] not in ("", None)}
-
-    needle, fidelity, ruler = pick("needle", "needle"), pick("fidelity", "continuation"), pick("ruler", "ruler")
+    needle, fidelity, ruler = (_pick(rows, "needle", "needle"), _pick(rows, "fidelity", "continuation"),
+                               _pick(rows, "ruler", "ruler"))
     columns = ((needle, "needle"), (fidelity, "score"), (ruler, "score"), (fidelity, "time"))
     keep = "/".join(f"{r * 100:g}" for r in HEADLINE_RATIOS)
     head = [f"method, keep {keep}%", "needles found", "continuation fidelity", "RULER 2K", "compaction s"]
@@ -75,9 +86,7 @@ def headline_markdown(rows: list[dict]) -> str:
             continue
         cells = []
         for table, kind in columns:
-            values = [(_with_interval if ratio == BEST_RATIO and kind != "time" else _value)(
-                table.get((m, ratio)), kind) for ratio in HEADLINE_RATIOS]
-            cells.append(" · ".join(values) if any(v != "-" for v in values) else "-")
+            cells.append(_ratio_cell(table, m, HEADLINE_RATIOS, BEST_RATIO if kind != "time" else None, kind))
         lines.append("| " + " | ".join([f"`{m}`", *cells]) + " |")
     for m, label in REFERENCE_METHODS.items():  # one row each, whatever ratio it is stored under
         cells = [_with_interval(next((r for (name, _), r in table.items() if name == m), None), kind)
@@ -151,19 +160,14 @@ def cross_model_markdown(rows: list[dict]) -> str:
     for spec in MODELS.values():
         mine = of_model(rows, spec.model_id)
         for label, bench, task in CROSS_MODEL_BENCHMARKS:
-            here = [r for r in mine if r["benchmark"] == bench and r["task"] == task and r["ratio"] not in ("", None)]
-            if not here:
+            table = _pick(mine, bench, task)
+            if not table:
                 continue
             kind = _kind(bench)
-            cells = []
-            for _, method in CROSS_MODEL_COLUMNS:
-                if method in REFERENCE_METHODS:
-                    cells.append(_with_interval(next((r for r in here if r["method"] == method), None), kind))
-                    continue
-                by_ratio = {round(float(r["ratio"]), 6): r for r in here if r["method"] == method}
-                values = [(_with_interval if ratio == CROSS_MODEL_RATIOS[0] else _value)(by_ratio.get(ratio), kind)
-                          for ratio in CROSS_MODEL_RATIOS]
-                cells.append(" · ".join(values) if any(v != "-" for v in values) else "-")
+            cells = [_with_interval(next((r for (name, _), r in table.items() if name == method), None), kind)
+                     if method in REFERENCE_METHODS else _ratio_cell(table, method, CROSS_MODEL_RATIOS,
+                                                                     CROSS_MODEL_RATIOS[0], kind)
+                     for _, method in CROSS_MODEL_COLUMNS]
             if any(c != "-" for c in cells):
                 lines.append("| " + " | ".join([f"{label} @ {spec.name}", *cells]) + " |")
     return "\n".join(lines)
