@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from arckv_press.cache import new_cache
 
 from arckv_press import __version__
 from arckv_press.attention import enable_compact_attention
@@ -112,7 +112,7 @@ def compact(
     """
     config = CompactionConfig(method=method, ratio=ratio, **options)
     ids, prefix_len = encode_document(tokenizer, context, use_chat_template)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     return compact_prefilled(model, tokenizer, cache, ids, prefix_len, config, use_chat_template=use_chat_template,
                              progress=progress)
 

@@ -43,8 +43,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-__all__ = ["CacheFileError", "CacheMetadata", "CompactLayer", "CompactCache", "cache_nbytes", "cache_snapshot", "check_metadata",
-           "check_save_target", "pack_heads", "restore_cache", "unpack_heads"]
+__all__ = ["CacheFileError", "CacheMetadata", "CompactLayer", "CompactCache", "EvictableLayer", "cache_nbytes",
+           "cache_snapshot", "check_metadata", "check_save_target", "new_cache", "pack_heads", "restore_cache",
+           "unpack_heads"]
 
 
 def pack_heads(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,6 +327,37 @@ class CompactLayer(CacheLayerMixin):
             f"CompactLayer(layer={self.layer_idx}, lengths={self.lengths.tolist()}, span={self.span}, "
             f"appended={self.num_appended})"
         )
+
+
+class EvictableLayer(DynamicLayer):
+    """A full-attention ``DynamicLayer`` that an evicting press (kvpress's SnapKV, Expected
+    Attention, ...) may shorten to fewer rows than the tokens it has seen.
+
+    transformers takes the cache positions of new tokens from layer 0 and builds the causal mask of
+    the full-attention layers in those positions. On a hybrid model layer 0 is a sliding-window
+    layer that counts every token seen, so after an eviction the positions run past the kept rows
+    and a plain ``DynamicLayer`` would let every new token see every later one (a batched
+    continuation or question reads its own future). This layer puts its rows just before the new
+    tokens' positions (mask offset ``cache_position[0] - rows``; 0 when they agree, as on a model
+    without sliding layers): the kept rows are visible to every new token and the new tokens are
+    causal among themselves.
+    """
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        kv_length, _ = super().get_mask_sizes(cache_position)
+        offset = int(cache_position[0]) - self.get_seq_length() if cache_position.numel() else 0
+        return kv_length, max(offset, 0)
+
+
+def new_cache(model) -> Cache:
+    """An empty ``DynamicCache`` for ``model`` whose full-attention layers are
+    :class:`EvictableLayer` (sliding-window layers as transformers makes them): the cache every
+    route prefills a context into, with or without a press."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    cache.layers = [EvictableLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 def cache_nbytes(cache: Cache, layers=None) -> int:

@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from arckv_press.cache import new_cache
 
 from arckv_press.cache import cache_snapshot, restore_cache
 from arckv_press.compaction.checks import check_positive_int
@@ -348,7 +348,7 @@ def _stats_dispatch(module, query, key, value, attention_mask, *args, **kwargs):
 
 def prefill(model, input_ids: torch.Tensor, cache=None, capture: QueryCapture | None = None, rows=None):
     """Run the decoder over ``input_ids`` (no LM head), filling ``cache``; optional capture rows."""
-    cache = DynamicCache(config=model.config) if cache is None else cache
+    cache = new_cache(model) if cache is None else cache
     if capture is not None:
         capture.rows = rows
     inner = model.model

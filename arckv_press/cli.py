@@ -138,7 +138,9 @@ def cmd_ask(args) -> int:
 
 def cmd_demo(args) -> int:
     from kvpress import KVPressTextGenerationPipeline  # noqa: F401  (registers the pipeline)
-    from transformers import DynamicCache, pipeline
+    from transformers import pipeline
+
+    from arckv_press.cache import new_cache
 
     from arckv_press.cache import cache_nbytes
     from arckv_press.framing import pipeline_question, uses_chat_template
@@ -174,7 +176,7 @@ def cmd_demo(args) -> int:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                cache = DynamicCache(config=model.config)
+                cache = new_cache(model)
                 out = pipe(context, **pipeline_question(tok, needle.question, needle.prefix()), press=press,
                            max_new_tokens=args.max_new_tokens, cache=cache)
         except ValueError as err:

@@ -34,7 +34,7 @@ from typing import Any, Generator
 
 import torch
 from kvpress import BasePress
-from transformers import DynamicCache
+from arckv_press.cache import new_cache
 
 from arckv_press.config import CompactionConfig
 from arckv_press.api import CompactionReport, compact_prefilled
@@ -259,7 +259,7 @@ class _CompactionPress(BasePress):
             if cache is None:
                 if kwargs.get("use_cache") is False:
                     raise ValueError(f"{type(self).__name__} needs the context's cache: do not pass use_cache=False")
-                cache = DynamicCache(config=model.config)
+                cache = new_cache(model)
                 kwargs["past_key_values"] = cache
             if cache.get_seq_length() != 0:
                 raise ValueError(

@@ -299,3 +299,36 @@ def test_demo_table_gives_the_compacted_layers_and_the_whole_cache(tmp_path, cap
     for name in ("arckv-ha", "snapkv", "expected_attention"):
         layers, cache = float(rows[name][2]), float(rows[name][3])
         assert layers < 0.5 * layers_mib and cache == pytest.approx(layers + window / 2**20, abs=0.011), rows[name]
+
+
+@pytest.mark.parametrize("family,name", [("gemma3", "snapkv"), ("gemma3", "expected_attention"),
+                                         ("gemma3", None), ("llama", "snapkv")])
+def test_tokens_fed_after_an_evicted_cache_do_not_see_their_future(family, name):
+    """A batched continuation after an evicting press equals feeding it one token at a time (where
+    no later token exists to be seen), and so does the benchmark's NLL. On a hybrid model the new
+    tokens' cache positions come from a sliding layer that counts every token seen, past the global
+    layers' kept rows; before ``EvictableLayer`` every continuation token saw every later one there
+    (continuation NLLs far below the full cache's)."""
+    from arckv_press.cache import EvictableLayer, cache_snapshot, restore_cache
+    from arckv_press.probe_metrics import continuation_nll
+
+    model = _gemma() if family == "gemma3" else build_tiny_model("llama", num_layers=2, initializer_range=0.1)
+    tok = build_tiny_tokenizer(chat_template=False)
+    ids = _ids(tok)
+    cont = torch.tensor([tok.encode(make_text(300, seed=2), add_special_tokens=False)[:24]])
+    cache = prefill_with_press(model, make_press(name, RATIO) if name else None, ids)
+    globals_ = [i for i in range(len(cache.layers)) if i not in sliding_layer_indices(model)]
+    assert all(type(cache.layers[i]) is EvictableLayer for i in globals_)
+    assert cache.layers[globals_[0]].keys.shape[2] == (int(T * RATIO) if name else T)
+    state = cache_snapshot(cache)
+    pos = torch.arange(T, T + cont.shape[1])[None]
+    with torch.no_grad():
+        batched = model(input_ids=cont, past_key_values=cache, position_ids=pos).logits[0]
+        restore_cache(cache, state)
+        stepwise = torch.stack([model(input_ids=cont[:, i : i + 1], past_key_values=cache,
+                                      position_ids=pos[:, i : i + 1]).logits[0, 0] for i in range(cont.shape[1])])
+        restore_cache(cache, state)
+        nll = continuation_nll(model, cache, cont, T)
+    torch.testing.assert_close(batched, stepwise, atol=1e-4, rtol=1e-4)
+    reference = torch.nn.functional.cross_entropy(stepwise[:-1], cont[0, 1:])
+    assert nll == pytest.approx(float(reference), abs=1e-4)

@@ -83,9 +83,9 @@ def median_stages(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def clone_cache(model, cache):
     """A new DynamicCache holding copies of ``cache``'s keys and values (compaction replaces layers)."""
-    from transformers import DynamicCache
+    from arckv_press.cache import new_cache
 
-    new = DynamicCache(config=model.config)
+    new = new_cache(model)
     for i, layer in enumerate(cache.layers):
         new.update(layer.keys.clone(), layer.values.clone(), i)
     return new
@@ -124,12 +124,12 @@ def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float
 
 
 def run_press(model, name: str, ratio: float, ids) -> float:
-    from transformers import DynamicCache
+    from arckv_press.cache import new_cache
 
     from arckv_press.registry import make_press
 
     press = make_press(name, ratio)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     t0 = time.perf_counter()
     with press(model):
         model.model(input_ids=ids, past_key_values=cache)

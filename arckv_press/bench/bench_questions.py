@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from transformers import DynamicCache
+    from arckv_press.cache import new_cache
 
     from arckv_press.api import compact
     from arckv_press.attention import compact_attention
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.inference_mode():
         ids, _ = encode_document(tok, context)
-        full = DynamicCache(config=model.config)
+        full = new_cache(model)
         model.model(input_ids=ids.to(model.device), past_key_values=full)
         t0 = time.perf_counter()
         compacted = compact(model, tok, context, method=args.method, ratio=args.ratio)

@@ -137,7 +137,7 @@ def is_correct(value: str, answer: str) -> bool:
 def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, indexer: str | None = None,
              options: dict | None = None) -> dict:
     """One pipeline call; restores the model's attention implementation afterwards."""
-    from transformers import DynamicCache
+    from arckv_press.cache import new_cache
 
     from arckv_press.attention import disable_compact_attention
     from arckv_press.framing import pipeline_question
@@ -149,7 +149,7 @@ def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, in
     timed = TimedPress(press)
     for module in attention_modules(model):  # stale KVzip masks from an earlier case
         module.masked_key_indices = None
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     try:
         with torch.inference_mode():
             t0 = time.perf_counter()

@@ -79,7 +79,7 @@ def head_report(layer, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scalin
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import DynamicCache
+    from arckv_press.cache import new_cache
 
     from arckv_press.api import compact
     from arckv_press.capture import CapturedQueries, QueryCapture, decoder_layers, encode_document, prefill
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     positions = value_positions(doc, tok.encode(" " + needle.value, add_special_tokens=False)[-len(needle.value):])
     with torch.inference_mode():
         compact_cache = compact(model, tok, context, method=args.method, ratio=args.ratio, **args.options)
-        full = prefill(model, ids, DynamicCache(config=model.config))
+        full = prefill(model, ids, new_cache(model))
     compacted = [i for i, layer in enumerate(compact_cache.layers) if hasattr(layer, "padded")]
 
     def ask(layers):

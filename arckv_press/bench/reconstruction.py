@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
+from arckv_press.cache import new_cache
 
 from arckv_press.capture import encode_document, framing_for, prefill, repeat_prefill
 from arckv_press.compaction.fit import (
@@ -188,7 +188,7 @@ def capture_references(model, tokenizer, layout, article: Article, layers, args,
     T, G, H = ids.shape[1] - prefix_len, layout.group_size, layout.num_kv_heads
     seed = args.seed * 10007 + article.index
     t0 = time.perf_counter()
-    cache = prefill(model, ids, DynamicCache(config=model.config))
+    cache = prefill(model, ids, new_cache(model))
     timings["prefill"].append(time.perf_counter() - t0)
     n_pos = min(T, -(-2 * args.rows // G))  # ceil: both splits get >= rows // G positions
     positions = subsample_rows(T, n_pos, seed)

@@ -313,7 +313,7 @@ def compute_pool(model: Any, tokenizer: Any, text: str, settings: PoolSettings =
                  ) -> tuple[dict[str, Tensor], dict[str, str]]:
     """Run prefill + repeat-prefill on ``text`` and return ``(tensors, metadata)`` of a pool
     file (module docstring). Every full-attention layer is captured."""
-    from transformers import DynamicCache
+    from arckv_press.cache import new_cache
 
     from arckv_press.capture import encode_document
     from arckv_press.capture import decoder_layers, framing_for, prefill, repeat_prefill
@@ -327,7 +327,7 @@ def compute_pool(model: Any, tokenizer: Any, text: str, settings: PoolSettings =
     T = ids.shape[1] - prefix_len
     n_pos = max(1, settings.query_budget // G)
     positions, _ = mix_sources(T, T, 0.0, n_pos, settings.seed)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     with torch.inference_mode():
         prefill(model, ids, cache)
         framing = framing_for(tokenizer, settings.use_chat_template)

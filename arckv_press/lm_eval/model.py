@@ -444,7 +444,7 @@ class HFArcKV(HFLM):
 
     def _compact(self, req: _DocRequest) -> _DocEntry:
         """Prefill ``ids[:doc_end]`` with the press (compacting the document) and record it."""
-        from transformers import DynamicCache
+        from arckv_press.cache import new_cache
 
         from arckv_press.api import compact_prefilled
         from arckv_press.models import describe_attention_layout, model_id
@@ -452,7 +452,7 @@ class HFArcKV(HFLM):
         model = self.model
         ids = torch.tensor([req.ids[: req.doc_end]], dtype=torch.long, device=self.device)
         n_doc = req.doc_end - req.doc_start
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model)
         record: dict[str, Any] = {
             "model": model_id(model),
             "press": self.press_name,
