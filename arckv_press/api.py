@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from arckv_press.cache import new_cache
 
 from arckv_press import __version__
 from arckv_press.attention import enable_compact_attention
-from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, cache_nbytes, pack_heads
+from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, cache_nbytes, new_cache, pack_heads
 from arckv_press.capture import (check_context_positions, encode_document, framing_for, prefill, repeat_prefill,
                                   repeat_prefill_stats)
 from arckv_press.compaction.layer import compact_layer, compact_layer_from_stats

@@ -26,9 +26,8 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-from arckv_press.cache import new_cache
 
-from arckv_press.cache import cache_snapshot, restore_cache
+from arckv_press.cache import cache_snapshot, new_cache, restore_cache
 from arckv_press.compaction.checks import check_positive_int
 from arckv_press.compaction.stats import ReferenceStats, causal_part, split_attention
 

@@ -140,9 +140,7 @@ def cmd_demo(args) -> int:
     from kvpress import KVPressTextGenerationPipeline  # noqa: F401  (registers the pipeline)
     from transformers import pipeline
 
-    from arckv_press.cache import new_cache
-
-    from arckv_press.cache import cache_nbytes
+    from arckv_press.cache import cache_nbytes, new_cache
     from arckv_press.framing import pipeline_question, uses_chat_template
     from arckv_press.haystack import RULER_INSTRUCTION, load_haystack, make_needle, needle_context
     from arckv_press.methods import METHODS

@@ -34,10 +34,10 @@ from typing import Any, Generator
 
 import torch
 from kvpress import BasePress
-from arckv_press.cache import new_cache
 
 from arckv_press.config import CompactionConfig
 from arckv_press.api import CompactionReport, compact_prefilled
+from arckv_press.cache import new_cache
 from arckv_press.capture import framing_for
 from arckv_press.compaction.checks import check_ratio
 from arckv_press.methods import am_method, arckv_method

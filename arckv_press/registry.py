@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 from kvpress import BasePress
-from arckv_press.cache import new_cache
 
+from arckv_press.cache import new_cache
 from arckv_press.methods import method
 from arckv_press.presses import hybrid_press_class, kept_to_compression, resolve_kept_ratio
 

@@ -125,7 +125,6 @@ def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float
 
 def run_press(model, name: str, ratio: float, ids) -> float:
     from arckv_press.cache import new_cache
-
     from arckv_press.registry import make_press
 
     press = make_press(name, ratio)

@@ -70,11 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from arckv_press.cache import new_cache
-
     from arckv_press.api import compact
     from arckv_press.attention import compact_attention
-    from arckv_press.cache import cache_nbytes
+    from arckv_press.cache import cache_nbytes, new_cache
     from arckv_press.capture import encode_document
     from arckv_press.generation import answer, answer_many
     from arckv_press.haystack import load_haystack, make_needle, needle_context

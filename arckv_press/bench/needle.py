@@ -137,9 +137,8 @@ def is_correct(value: str, answer: str) -> bool:
 def run_case(pipe, model, tok, name: str, ratio: float, context: str, needle, indexer: str | None = None,
              options: dict | None = None) -> dict:
     """One pipeline call; restores the model's attention implementation afterwards."""
-    from arckv_press.cache import new_cache
-
     from arckv_press.attention import disable_compact_attention
+    from arckv_press.cache import new_cache
     from arckv_press.framing import pipeline_question
     from arckv_press.methods import METHODS
     from arckv_press.registry import make_press, press_options

@@ -79,9 +79,8 @@ def head_report(layer, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scalin
 
 
 def main(argv: list[str] | None = None) -> int:
-    from arckv_press.cache import new_cache
-
     from arckv_press.api import compact
+    from arckv_press.cache import new_cache
     from arckv_press.capture import CapturedQueries, QueryCapture, decoder_layers, encode_document, prefill
     from arckv_press.framing import question_ids
     from arckv_press.generation import answer

@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from arckv_press.cache import new_cache
 
+from arckv_press.cache import new_cache
 from arckv_press.capture import encode_document, framing_for, prefill, repeat_prefill
 from arckv_press.compaction.fit import (
     FitConfig,

@@ -314,7 +314,6 @@ def compute_pool(model: Any, tokenizer: Any, text: str, settings: PoolSettings =
     """Run prefill + repeat-prefill on ``text`` and return ``(tensors, metadata)`` of a pool
     file (module docstring). Every full-attention layer is captured."""
     from arckv_press.cache import new_cache
-
     from arckv_press.capture import encode_document
     from arckv_press.capture import decoder_layers, framing_for, prefill, repeat_prefill
     from arckv_press.compaction.reference import group_queries_by_kv_head, mix_sources

@@ -444,9 +444,8 @@ class HFArcKV(HFLM):
 
     def _compact(self, req: _DocRequest) -> _DocEntry:
         """Prefill ``ids[:doc_end]`` with the press (compacting the document) and record it."""
-        from arckv_press.cache import new_cache
-
         from arckv_press.api import compact_prefilled
+        from arckv_press.cache import new_cache
         from arckv_press.models import describe_attention_layout, model_id
 
         model = self.model
