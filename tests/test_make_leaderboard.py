@@ -634,6 +634,32 @@ def test_cross_model_table_keeps_models_apart():
     assert next(line for line in headline if line.startswith("| `arckv` |")) == "| `arckv` | - | - · 0.90 · 0.80 | 0.30 · - · - | - |"
 
 
+def test_per_model_tables_are_made_from_one_models_rows():
+    """A per-model table's block gets the rows of its ``model`` parameter only (the default model's
+    without one), whatever its generator does with them; every other table gets every row."""
+    from arckv_press.bench import make_leaderboard as ml
+    from arckv_press.bench.leaderboard.sources import Block
+    from arckv_press.models import DEFAULT_MODEL_ID, GEMMA3_MODEL_ID
+
+    rows = [{"model": GEMMA3_MODEL_ID, "i": 0}, {"model": DEFAULT_MODEL_ID, "i": 1}, {"model": "", "i": 2}]
+    per_model = sorted(name for name, gen in ml.TABLES.items() if gen.per_model)
+    assert per_model == ["benchmark", "best", "evidence-cost", "headline"]
+    seen = {}
+    saved = dict(ml.TABLES)
+    try:
+        for name in ("headline", "cross-model"):
+            ml.TABLES[name] = ml.TABLES[name]._replace(make=lambda rs, s, p, name=name: seen.setdefault(name, []).append(
+                [r["i"] for r in rs]) or "")
+        for params in ({}, {"model": GEMMA3_MODEL_ID}):
+            for name in ("headline", "cross-model"):
+                ml.generate_block(None, Block("d.md", "b", name, "x.csv", params), lambda source: rows)
+    finally:
+        ml.TABLES.clear()
+        ml.TABLES.update(saved)
+    assert seen == {"headline": [[1, 2], [0]], "cross-model": [[0, 1, 2], [0, 1, 2]]}
+    assert "model" in ml.TABLES["benchmark"].accepted and "model" not in ml.TABLES["cross-model"].accepted
+
+
 def test_benchmark_table_from_rows(tmp_path):
     """A cell per (method, kept fraction) present, ``-`` for a missing one, the references on every
     column, needles as found/total; a doc without a block's markers is refused unchanged."""

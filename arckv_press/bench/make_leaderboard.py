@@ -48,20 +48,27 @@ __all__ = ["GeneratedTable", "TABLES", "read_sources", "generate_block", "rebuil
 
 class GeneratedTable(NamedTuple):
     """A generator of doc blocks: ``make(rows of the block's source, sources, params)`` and the
-    parameters a block of it must and may give."""
+    parameters a block of it must and may give. A ``per_model`` table is made from one model's rows
+    only (:func:`.leaderboard.doc_tables.of_model`: the block's ``model`` parameter, else the default
+    model's), so it never mixes models; the others see every row."""
 
     make: Callable[[list[dict], Sources, dict], str]
     required: tuple[str, ...] = ()
     optional: tuple[str, ...] = ()
+    per_model: bool = False
+
+    @property
+    def accepted(self) -> set[str]:
+        """Every parameter a block of this table may give (``model`` for a per-model table)."""
+        return set(self.required) | set(self.optional) | ({"model"} if self.per_model else set())
 
 
 #: the generators a ``[[block]]`` of the manifest names by its ``table``
 TABLES: dict[str, GeneratedTable] = {
-    "headline": GeneratedTable(lambda rows, s, p: headline_markdown(of_model(rows, p.get("model"))), (), ("model",)),
-    "best": GeneratedTable(lambda rows, s, p: best_markdown(of_model(rows, p.get("model")), s.ranked()), (), ("model",)),
-    "benchmark": GeneratedTable(lambda rows, s, p: benchmark_markdown(of_model(rows, p.get("model")), p["benchmark"],
-                                                                      p["task"]),
-                                ("benchmark", "task", "title"), ("label", "model")),
+    "headline": GeneratedTable(lambda rows, s, p: headline_markdown(rows), per_model=True),
+    "best": GeneratedTable(lambda rows, s, p: best_markdown(rows, s.ranked()), per_model=True),
+    "benchmark": GeneratedTable(lambda rows, s, p: benchmark_markdown(rows, p["benchmark"], p["task"]),
+                                ("benchmark", "task", "title"), ("label",), per_model=True),
     "cross-model": GeneratedTable(lambda rows, s, p: cross_model_markdown(rows)),
     "compaction-time": GeneratedTable(lambda rows, s, p: compaction_time_markdown(rows, threads=p.get("threads", 1)),
                                       (), ("threads",)),
@@ -70,8 +77,7 @@ TABLES: dict[str, GeneratedTable] = {
         (), ("labels",)),
     "selectors": GeneratedTable(lambda rows, s, p: selectors_markdown(rows)),
     "long-context": GeneratedTable(lambda rows, s, p: long_context_markdown(rows)),
-    "evidence-cost": GeneratedTable(lambda rows, s, p: evidence_cost_markdown(of_model(rows, p.get("model")), s.ranked()),
-                                    (), ("model",)),
+    "evidence-cost": GeneratedTable(lambda rows, s, p: evidence_cost_markdown(rows, s.ranked()), per_model=True),
 }
 
 
@@ -88,7 +94,7 @@ def _check_blocks(sources: Sources) -> None:
         if b.table not in TABLES:
             raise ValueError(f"{where}: unknown table {b.table!r}; known: {', '.join(TABLES)}")
         gen = TABLES[b.table]
-        missing, unknown = set(gen.required) - set(b.params), set(b.params) - set(gen.required) - set(gen.optional)
+        missing, unknown = set(gen.required) - set(b.params), set(b.params) - gen.accepted
         if missing or unknown:
             raise ValueError(f"{where}: {'missing ' + str(sorted(missing)) if missing else ''}"
                              f"{' ' if missing and unknown else ''}{'unknown ' + str(sorted(unknown)) if unknown else ''}"
@@ -132,8 +138,13 @@ def read_sources(sources: Sources, common: dict[str, str]) -> tuple[list[dict], 
 
 
 def generate_block(sources: Sources, block, rows_of: Callable[[str], list[dict]]) -> str:
-    """The body of ``block``, from the rows of its source CSV (``rows_of(source)``)."""
-    return TABLES[block.table].make(rows_of(block.source), sources, block.params)
+    """The body of ``block``, from the rows of its source CSV (``rows_of(source)``; one model's, for a
+    per-model table)."""
+    gen = TABLES[block.table]
+    rows = rows_of(block.source)
+    if gen.per_model:
+        rows = of_model(rows, block.params.get("model"))
+    return gen.make(rows, sources, block.params)
 
 
 def rebuild(sources: Sources, plots: bool = True, command: str | None = None) -> dict:
