@@ -44,7 +44,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 __all__ = ["CacheFileError", "CacheMetadata", "CompactLayer", "CompactCache", "EvictableLayer", "cache_nbytes",
-           "cache_snapshot", "check_metadata", "check_save_target", "new_cache", "pack_heads", "restore_cache",
+           "cache_snapshot", "check_metadata", "check_save_target", "make_evictable", "new_cache", "pack_heads", "restore_cache",
            "unpack_heads"]
 
 
@@ -349,15 +349,32 @@ class EvictableLayer(DynamicLayer):
         return kv_length, max(offset, 0)
 
 
+def make_evictable(cache: Cache, model=None) -> Cache:
+    """Make every plain full-attention layer of ``cache`` an :class:`EvictableLayer`, in place, and
+    return it, so that a cache the caller hands to a prefill gets :func:`new_cache`'s causal mask
+    after an eviction. The layers it holds keep their rows (the class only adds the mask offset).
+    A cache made without a config (``DynamicCache()``, as kvpress's pipeline makes it) that holds
+    no layer yet takes ``model``'s layout, as :func:`new_cache` makes it: otherwise each of its
+    layers would be created full on the first update, a hybrid model's sliding layers included,
+    and the mask of its global layers would be sized by its first, never-evicted layer.
+    Sliding-window and compact layers are left as they are."""
+    if model is not None and not cache.layers and getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        cache.layers, cache.layer_class_to_replicate = new_cache(model).layers, None
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer:
+            layer.__class__ = EvictableLayer
+    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        cache.layer_class_to_replicate = EvictableLayer
+    return cache
+
+
 def new_cache(model) -> Cache:
     """An empty ``DynamicCache`` for ``model`` whose full-attention layers are
     :class:`EvictableLayer` (sliding-window layers as transformers makes them): the cache every
     route prefills a context into, with or without a press."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    cache.layers = [EvictableLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
+    return make_evictable(DynamicCache(config=model.config))
 
 
 def cache_nbytes(cache: Cache, layers=None) -> int:

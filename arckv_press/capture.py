@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from arckv_press.cache import cache_snapshot, new_cache, restore_cache
+from arckv_press.cache import cache_snapshot, make_evictable, new_cache, restore_cache
 from arckv_press.compaction.checks import check_positive_int
 from arckv_press.compaction.stats import ReferenceStats, causal_part, split_attention
 
@@ -347,7 +347,7 @@ def _stats_dispatch(module, query, key, value, attention_mask, *args, **kwargs):
 
 def prefill(model, input_ids: torch.Tensor, cache=None, capture: QueryCapture | None = None, rows=None):
     """Run the decoder over ``input_ids`` (no LM head), filling ``cache``; optional capture rows."""
-    cache = new_cache(model) if cache is None else cache
+    cache = new_cache(model) if cache is None else make_evictable(cache, model)
     if capture is not None:
         capture.rows = rows
     inner = model.model

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from kvpress import BasePress
 
-from arckv_press.cache import new_cache
+from arckv_press.cache import make_evictable, new_cache
 from arckv_press.methods import method
 from arckv_press.presses import hybrid_press_class, kept_to_compression, resolve_kept_ratio
 
@@ -115,13 +115,14 @@ def prefill_with_press(model, press: BasePress | None, context_ids: torch.Tensor
     """Prefill ``context_ids`` into ``cache`` under ``press`` (as kvpress's pipeline does).
 
     Runs the decoder (no LM head) inside ``with press(model)`` under ``torch.inference_mode()``
-    and returns the cache (a new :func:`~arckv_press.cache.new_cache` when none is given). ``press=None`` prefills
+    and returns the cache (a new :func:`~arckv_press.cache.new_cache` when none is given; a given
+    one is made :func:`~arckv_press.cache.make_evictable` first). ``press=None`` prefills
     the full cache. Ask questions with the returned cache under ``torch.no_grad()`` or
     ``torch.inference_mode()``, with position ids continuing after the *original* context length
     as kvpress's pipeline does (evicting presses shorten the cache, so positions cannot be
     inferred from its length; a compact cache reports the original length).
     """
-    cache = new_cache(model) if cache is None else cache
+    cache = new_cache(model) if cache is None else make_evictable(cache, model)
     with torch.inference_mode():
         if press is None:
             model.model(input_ids=context_ids.to(model.device), past_key_values=cache)

@@ -197,7 +197,9 @@ def test_kvzip_scores_the_global_layers_and_spends_the_budget_there(tmp_path):
     from transformers import DynamicCache
 
     ref = KVzipPress(compression_ratio=1 - RATIO, chunk_size=150)
-    ref_cache = prefill_with_press(model, None, ids, DynamicCache())
+    ref_cache = DynamicCache()  # bare: prefill_with_press would give it the model's layout
+    with torch.inference_mode():
+        model.model(input_ids=ids, past_key_values=ref_cache)
     ref._context_ids, ref._cache, ref.prefix_length = ids, ref_cache, 0
     ref._suffix_ids = torch.tensor([tok.encode("\n", add_special_tokens=False)])
     ref.compress_post = lambda m: None
@@ -301,14 +303,19 @@ def test_demo_table_gives_the_compacted_layers_and_the_whole_cache(tmp_path, cap
         assert layers < 0.5 * layers_mib and cache == pytest.approx(layers + window / 2**20, abs=0.011), rows[name]
 
 
-@pytest.mark.parametrize("family,name", [("gemma3", "snapkv"), ("gemma3", "expected_attention"),
-                                         ("gemma3", None), ("llama", "snapkv")])
-def test_tokens_fed_after_an_evicted_cache_do_not_see_their_future(family, name):
+@pytest.mark.parametrize("family,name,given", [("gemma3", "snapkv", None), ("gemma3", "expected_attention", None),
+                                               ("gemma3", None, None), ("llama", "snapkv", None),
+                                               ("gemma3", "snapkv", "config"), ("gemma3", "snapkv", "bare")])
+def test_tokens_fed_after_an_evicted_cache_do_not_see_their_future(family, name, given):
     """A batched continuation after an evicting press equals feeding it one token at a time (where
     no later token exists to be seen), and so does the benchmark's NLL. On a hybrid model the new
     tokens' cache positions come from a sliding layer that counts every token seen, past the global
     layers' kept rows; before ``EvictableLayer`` every continuation token saw every later one there
-    (continuation NLLs far below the full cache's)."""
+    (continuation NLLs far below the full cache's). ``given``: the caller hands the prefill its own
+    plain ``DynamicCache`` (made from the config, or bare as kvpress's pipeline makes it), which
+    gets the same mask (:func:`~arckv_press.cache.make_evictable`)."""
+    from transformers import DynamicCache
+
     from arckv_press.cache import EvictableLayer, cache_snapshot, restore_cache
     from arckv_press.probe_metrics import continuation_nll
 
@@ -316,7 +323,8 @@ def test_tokens_fed_after_an_evicted_cache_do_not_see_their_future(family, name)
     tok = build_tiny_tokenizer(chat_template=False)
     ids = _ids(tok)
     cont = torch.tensor([tok.encode(make_text(300, seed=2), add_special_tokens=False)[:24]])
-    cache = prefill_with_press(model, make_press(name, RATIO) if name else None, ids)
+    mine = {None: None, "config": lambda: DynamicCache(config=model.config), "bare": DynamicCache}[given]
+    cache = prefill_with_press(model, make_press(name, RATIO) if name else None, ids, mine() if mine else None)
     globals_ = [i for i in range(len(cache.layers)) if i not in sliding_layer_indices(model)]
     assert all(type(cache.layers[i]) is EvictableLayer for i in globals_)
     assert cache.layers[globals_[0]].keys.shape[2] == (int(T * RATIO) if name else T)
