@@ -72,6 +72,18 @@ def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys
         assert_ratio_of_rounded(ratio, sec[("am-omp-fast", "am_total")], post, csv_decimals=4, den_terms=2)
         e2e = float(line.split("end to end ")[1].split("x")[0])
         assert_ratio_of_rounded(e2e, sec[("am-omp-fast", "compact_total")], sec[(name, "compact_total")], csv_decimals=4)
+    from arckv_press.models import load_model
+
+    # peak memory: every method's against the full-cache prefill + answer of the same run, each above
+    # the model's weights (resident in the process); the printed ratio is that of the written values
+    weights_mib = sum(p.numel() * p.element_size() for p in load_model()[0].parameters()) / 2**20
+    full_mib = sec[("none", "full_peak_rss_mib")]
+    assert full_mib > weights_mib
+    line = next(l for l in printed if "300 tok, rho 0.2: peak RSS / full-cache prefill + answer" in l)
+    for name in ("arckv", "arckv-ha", "am-omp-fast"):
+        assert sec[(name, "peak_rss_mib")] > weights_mib
+        assert_ratio_of_rounded(float(line.split(f"{name} ")[1].split(",")[0]), sec[(name, "peak_rss_mib")], full_mib,
+                                csv_decimals=4)
     # --plain-repeat: the repeat-prefill without statistics, against the prefill of the same run
     plain = sec[("none", "repeat_plain")]
     line = next(l for l in printed if "plain repeat-prefill" in l)

@@ -16,6 +16,14 @@ method, so an interrupted run keeps what it measured; ``--summary`` prints the s
 of the last run from the CSV. ``--option KEY=VALUE`` times a ``CompactionConfig`` option
 (e.g. ``min_head_fraction=1.0``); its rows carry that option's ``config_id``.
 
+Memory (MiB in the ``seconds`` column, the process's resident set sampled every 5 ms by a thread):
+``full_peak_rss_mib`` (method ``none``) is the peak over a full-cache prefill and a 16-token greedy
+answer, measured while the harness holds no other cache; ``peak_rss_mib`` of each method is the
+peak over its compaction of a copy of the prefilled cache (kvpress's presses: their prefill and
+compression) less the bytes of the prefilled cache that only the harness keeps beside it, i.e.
+the peak of a user's prefill-then-compact in place, and it is printed against
+``full_peak_rss_mib``. Both include the model's weights.
+
 Printed from the same run, as ratios: ARC-KV's
 post-repeat time (everything after the repeat-prefill) / one prefill, the repeat-prefill / one
 prefill, AM's select + fit / ARC-KV's post-repeat time, end-to-end AM / ARC-KV, the learned
@@ -110,29 +118,63 @@ def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float
     from arckv_press.api import compact_prefilled
     from arckv_press.attention import disable_compact_attention
 
-    work = clone_cache(model, cache)
     config = CompactionConfig(method=method, ratio=ratio, **(options or {}))
     try:
-        t0 = time.perf_counter()
-        result = compact_prefilled(model, tok, work, ids, prefix_len, config, already_prefilled=True)
-        total = time.perf_counter() - t0
+        with PeakRSS() as rss:
+            work = clone_cache(model, cache)
+            t0 = time.perf_counter()
+            result = compact_prefilled(model, tok, work, ids, prefix_len, config, already_prefilled=True)
+            total = time.perf_counter() - t0
     finally:
         disable_compact_attention(model)
     stages = {k: v for k, v in result.report.timings.items() if k != "prefill"}
     stages["compact_total"] = total
+    stages["peak_rss_mib"] = harness_free_peak_mib(rss, cache)
     return stages, result.report.reference_rows
 
 
-def run_press(model, name: str, ratio: float, ids) -> float:
+def run_press(model, name: str, ratio: float, ids, held=None) -> tuple[float, float]:
+    """kvpress's press ``name`` end to end (prefill inside ``with press(model)``): seconds and the
+    process's peak resident MiB (:func:`harness_free_peak_mib`, ``held`` the harness's own prefilled
+    cache)."""
     from arckv_press.cache import new_cache
     from arckv_press.registry import make_press
 
     press = make_press(name, ratio)
-    cache = new_cache(model)
-    t0 = time.perf_counter()
-    with press(model):
-        model.model(input_ids=ids, past_key_values=cache)
-    return time.perf_counter() - t0
+    with PeakRSS() as rss:
+        cache = new_cache(model)
+        t0 = time.perf_counter()
+        with press(model):
+            model.model(input_ids=ids, past_key_values=cache)
+        seconds = time.perf_counter() - t0
+    return seconds, harness_free_peak_mib(rss, held)
+
+
+#: the question of the full-cache peak memory measurement (:func:`full_cache_peak_mib`)
+RSS_QUESTION, RSS_ANSWER_TOKENS = "What is the main point of the text above?", 16
+
+
+def full_cache_peak_mib(model, tok, ids: torch.Tensor) -> float:
+    """The process's peak resident memory (MiB) over a full-cache prefill of ``ids`` and a greedy
+    answer of :data:`RSS_ANSWER_TOKENS` tokens to :data:`RSS_QUESTION`: what a compaction's peak is
+    compared with. Run while the harness holds no prefilled cache."""
+    from arckv_press.capture import prefill
+    from arckv_press.generation import answer
+
+    with PeakRSS() as rss:
+        cache = prefill(model, ids)
+        answer(model, tok, cache, RSS_QUESTION, max_new_tokens=RSS_ANSWER_TOKENS)
+        del cache
+    return rss.peak / 2**20
+
+
+def harness_free_peak_mib(rss: "PeakRSS", held=None) -> float:
+    """The process's peak resident MiB of a measured step, less the bytes of the prefilled cache
+    ``held`` that only the harness keeps beside it (to compact a copy of it per method): what the
+    step's peak is when a user compacts their one prefilled cache in place."""
+    from arckv_press.cache import cache_nbytes
+
+    return (rss.peak - (cache_nbytes(held) if held is not None else 0)) / 2**20
 
 
 def model_section(args, meta: dict) -> list[dict]:
@@ -188,32 +230,40 @@ def model_section(args, meta: dict) -> list[dict]:
         for length in args.lengths:
             ids, prefix_len = document_ids(tok, haystack, length)
             pre = median_seconds(partial(prefill, model, ids), args.repeats)  # warm-up at this length
+            base = {"prefill": pre, "full_peak_rss_mib": full_cache_peak_mib(model, tok, ids)}
             cache = prefill(model, ids)
-            base = {"prefill": pre}
             if args.plain_repeat:
                 base["repeat_plain"] = median_seconds(partial(plain_repeat, model, tok, cache, ids, prefix_len),
                                                       args.repeats, warmup=0)
                 if model.device.type == "cpu":  # the floor of an exact repeat-prefill (repeat_floor.py)
                     base.update(floor_stages(model, tok, ids, prefix_len, pre))
             record("none", 1.0, length, base)
-            print(f"{length} tokens (+{prefix_len} prefix): " + ", ".join(f"{k} {v:.2f} s" for k, v in base.items()),
+            print(f"{length} tokens (+{prefix_len} prefix): " + ", ".join(_shown(k, v) for k, v in base.items()),
                   flush=True)
             for ratio in args.ratios:
                 for method in methods:
                     if method in KVPRESS_METHODS:
-                        total = median_seconds(partial(run_press, model, method, ratio, ids), args.repeats, warmup=0)
-                        stages = {"press_total": total, "beyond_prefill": total - pre}
+                        runs = [run_press(model, method, ratio, ids, cache) for _ in range(args.repeats)]
+                        total = statistics.median(t for t, _ in runs)
+                        stages = {"press_total": total, "beyond_prefill": total - pre,
+                                  "peak_rss_mib": max(m for _, m in runs)}
                         fit_rows = ""
                     else:
                         runs = [run_compaction(model, tok, cache, ids, prefix_len, method, ratio, args.options)
                                 for _ in range(args.repeats)]
                         stages = median_stages([r for r, _ in runs])
+                        stages["peak_rss_mib"] = max(r["peak_rss_mib"] for r, _ in runs)
                         fit_rows = f" (fit rows per KV head, max over layers: {runs[0][1]})"
                     record(method, ratio, length, stages)
-                    shown = " ".join(f"{k} {v:.2f}" for k, v in stages.items()) + fit_rows
+                    shown = " ".join(_shown(k, v, unit="") for k, v in stages.items()) + fit_rows
                     print(f"  rho {ratio:<5g} {method:<19} {shown}", flush=True)
     print_model_summary(results, args, methods)
     return rows
+
+
+def _shown(stage: str, value: float, unit: str = " s") -> str:
+    """``stage value`` with its unit: MiB for the peak-memory stages (``*_mib``), else seconds."""
+    return f"{stage} {value:.0f} MiB" if stage.endswith("_mib") else f"{stage} {value:.2f}{unit}"
 
 
 def floor_stages(model, tok, ids: torch.Tensor, prefix_len: int, prefill_seconds: float) -> dict[str, float]:
@@ -298,6 +348,12 @@ def ratio_lines(results: dict, lengths: list[int], ratios: list[float]) -> list[
                         parts.append(f"{omp} select+fit / {name} post {o['am_total'] / post:.2f}x; "
                                      f"end to end {o['compact_total'] / arc['compact_total']:.2f}x")
                 lines.append("; ".join(parts))
+            full_mib = base.get("full_peak_rss_mib")
+            peaks = [(m, results[(m, ratio, length)]["peak_rss_mib"]) for m in sorted({k[0] for k in results} - {"none"})
+                     if "peak_rss_mib" in results.get((m, ratio, length), {})]
+            if full_mib and peaks:
+                lines.append(f"{length:>6} tok, rho {ratio:g}: peak RSS / full-cache prefill + answer "
+                             f"({full_mib:.0f} MiB): " + ", ".join(f"{m} {mib / full_mib:.2f}" for m, mib in peaks))
             idx, ha = results.get(("arckv", ratio, length)), results.get(("arckv-ha", ratio, length))
             if idx is not None and ha is not None:
                 lines.append(f"{length:>6} tok, rho {ratio:g}: indexer selection / HA selection "
