@@ -147,6 +147,7 @@ def compact_prefilled(
     if not 0 <= prefix_len <= n_ctx:
         raise ValueError(f"prefix_len must be in [0, {n_ctx}] (the context length), got {prefix_len}")
     layout = describe_attention_layout(model)
+    config = config.for_model(model_id(model))  # the model's defaults where the config leaves them open
     T = context_ids.shape[1] - prefix_len
     if T < MIN_LENGTH:
         raise ValueError(f"the document has {T} tokens; at least {MIN_LENGTH} are needed to compact it")

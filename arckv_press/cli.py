@@ -188,7 +188,7 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from arckv_press.config import RATIO_SCHEDULE, CompactionConfig
+    from arckv_press.config import MODEL_RATIO_SCHEDULES, RATIO_SCHEDULE, CompactionConfig
     from arckv_press.compaction.layer import ANCHOR_SEARCHES
     from arckv_press.methods import COMPACTION_METHODS
     from arckv_press.models import model_help
@@ -205,12 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="arckv", choices=list(COMPACTION_METHODS))
     p.add_argument("--ratio", type=kept_fraction, default=0.1, help="kept fraction rho in (0, 1]")
     def schedule(field: str) -> str:
-        """The default of ``field`` by kept fraction, as RATIO_SCHEDULE gives it."""
+        """The default of ``field`` by kept fraction, as RATIO_SCHEDULE gives it (the default model's;
+        a model with its own schedule, arckv_press.config.MODEL_RATIO_SCHEDULES, is named)."""
         values = [getattr(step, field) for step in RATIO_SCHEDULE]
+        own = f"; models with their own schedule: {', '.join(MODEL_RATIO_SCHEDULES)}"
         if len(set(values)) == 1:
-            return f"{values[0]} at every kept fraction"
+            return f"{values[0]} at every kept fraction{own}"
         return "by kept fraction, " + ", ".join(f"{v} at ratio >= {step.lowest:g}" if step.lowest > 0 else f"{v} below"
-                                                for v, step in zip(values, RATIO_SCHEDULE))
+                                                for v, step in zip(values, RATIO_SCHEDULE)) + own
 
     p.add_argument("--lambda-m", type=unit_fraction, default=None,
                    help=f"ARC-KV key-merging coefficient (default: {schedule('lambda_m')})")

@@ -19,9 +19,10 @@ from arckv_press.compaction.fit import FitConfig
 from arckv_press.compaction.layer import LayerMethod
 from arckv_press.compaction.select import POOLINGS
 from arckv_press.methods import method as lookup_method
+from arckv_press.models import GEMMA3_MODEL_ID
 
-__all__ = ["CompactionConfig", "config_id", "RATIO_SCHEDULE", "RatioDefaults", "ratio_defaults", "INDEXER_ROWS",
-           "SCORE_SHRINK", "MIN_LENGTH"]
+__all__ = ["CompactionConfig", "config_id", "RATIO_SCHEDULE", "MODEL_RATIO_SCHEDULES", "RatioDefaults", "ratio_defaults",
+           "ratio_schedule", "INDEXER_ROWS", "SCORE_SHRINK", "MIN_LENGTH"]
 
 INDEXER_ROWS = ("all", "budget")  # CompactionConfig.indexer_rows, besides a row count
 MIN_LENGTH = 16  # the shortest document (tokens) a compaction accepts
@@ -45,11 +46,26 @@ class RatioDefaults:
 RATIO_SCHEDULE: tuple[RatioDefaults, ...] = (RatioDefaults(0.05, 0.25, "scores"), RatioDefaults(0.0, 0.25, "omp"))
 
 
-def ratio_defaults(ratio: float) -> RatioDefaults:
-    """The step of :data:`RATIO_SCHEDULE` for kept fraction ``ratio``: the first whose ``lowest``
-    ``ratio`` reaches."""
+# Models whose own development data chose another schedule (``docs/studies/gemma3.md``). Gemma 3 270M,
+# whose three global layers have one KV head each, takes OMP's anchors at every kept fraction: on its
+# development documents they cut the continuation damage of the top-t by more than half at keep 10%
+# and by a third at keep 5% (fitting every anchor instead changed nothing).
+MODEL_RATIO_SCHEDULES: dict[str, tuple[RatioDefaults, ...]] = {
+    GEMMA3_MODEL_ID: (RatioDefaults(0.0, 0.25, "omp"),),
+}
+
+
+def ratio_schedule(model_id: str | None = None) -> tuple[RatioDefaults, ...]:
+    """The schedule of model ``model_id`` (its Hugging Face id, :func:`arckv_press.models.model_id`):
+    its own in :data:`MODEL_RATIO_SCHEDULES`, else :data:`RATIO_SCHEDULE` (also for ``None``)."""
+    return MODEL_RATIO_SCHEDULES.get(model_id, RATIO_SCHEDULE)
+
+
+def ratio_defaults(ratio: float, model_id: str | None = None) -> RatioDefaults:
+    """The step of model ``model_id``'s schedule (:func:`ratio_schedule`) for kept fraction ``ratio``:
+    the first whose ``lowest`` ``ratio`` reaches."""
     ratio = check_ratio(ratio)
-    return next(step for step in RATIO_SCHEDULE if ratio >= step.lowest)
+    return next(step for step in ratio_schedule(model_id) if ratio >= step.lowest)
 
 
 @dataclass
@@ -184,6 +200,14 @@ class CompactionConfig:
     def anchor_search_used(self) -> str:
         """``anchor_search`` as used at this config's kept fraction (the schedule's when ``None``)."""
         return ratio_defaults(self.ratio).anchor_search if self.anchor_search is None else self.anchor_search
+
+    def for_model(self, model_id: str | None) -> "CompactionConfig":
+        """This config with ``lambda_m`` and ``anchor_search`` set where they are ``None``, to model
+        ``model_id``'s defaults at ``ratio`` (:func:`ratio_defaults`). A compaction runs the config
+        resolved for its model, and results store that config's id; given values are kept."""
+        step = ratio_defaults(self.ratio, model_id)
+        return dataclasses.replace(self, lambda_m=step.lambda_m if self.lambda_m is None else self.lambda_m,
+                                   anchor_search=step.anchor_search if self.anchor_search is None else self.anchor_search)
 
     def layer_method(self) -> LayerMethod:
         return LayerMethod(self.method, self.merging_coefficient(), self.pooling, self.chunk_len, self.chunk_min_length, self.fit,

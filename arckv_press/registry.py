@@ -45,27 +45,28 @@ def indexer_id(name: str, model_id: str, indexer: Any = None) -> str:
     return "" if path is None else checkpoint_id(path)
 
 
-def method_config_id(name: str, ratio: float, **options: Any) -> str:
+def method_config_id(name: str, ratio: float, *, model_id: str | None = None, **options: Any) -> str:
     """:func:`arckv_press.config.config_id` of method ``name``'s compaction options (press defaults plus
     ``options``) at kept fraction ``ratio``; ``""`` for kvpress presses and ``none``.
 
     Results store it next to :func:`indexer_id`, so that after a default changes (say
     ``min_head_fraction``) resumed runs redo the affected methods instead of mixing configurations.
-    It depends on ``ratio`` only where a default does (the ``lambda_m`` / ``anchor_search`` schedule,
-    :data:`arckv_press.config.RATIO_SCHEDULE`).
+    It depends on ``ratio`` and ``model_id`` only where a default does (the ``lambda_m`` /
+    ``anchor_search`` schedule of the model, :func:`arckv_press.config.ratio_schedule`; ``None``: the
+    default schedule).
     """
     if not method(name).ours:
         return ""
     from arckv_press.config import config_id
 
-    return config_id(make_press(name, ratio, **options).compaction_config())
+    return config_id(make_press(name, ratio, **options).compaction_config().for_model(model_id))
 
 
 def result_ids(name: str, model_id: str, ratio: float, **options: Any) -> dict[str, str]:
     """``{"indexer": indexer_id(...), "config_id": method_config_id(...)}``: what a stored result of
     method ``name`` (with press ``options``) at kept fraction ``ratio`` must match to count as current."""
     return {"indexer": indexer_id(name, model_id, options.get("indexer")),
-            "config_id": method_config_id(name, ratio, **options)}
+            "config_id": method_config_id(name, ratio, model_id=model_id, **options)}
 
 
 def make_press(name: str, ratio: float, **options: Any) -> BasePress | None:

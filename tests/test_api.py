@@ -564,6 +564,50 @@ def test_ratio_schedule_gives_the_defaults_and_explicit_options_win():
             ratio_defaults(bad)
 
 
+def test_a_models_own_schedule_resolves_its_defaults_and_keeps_given_options():
+    """``for_model``: Gemma 3's schedule takes OMP's anchors at every kept fraction, the default
+    model's and any other model's keep the default schedule; given options are kept, and the resolved
+    config's id is that of the same options given explicitly (so the default model's ids do not move)."""
+    from arckv_press.config import RATIO_SCHEDULE, config_id, ratio_defaults, ratio_schedule
+    from arckv_press.models import DEFAULT_MODEL_ID, GEMMA3_MODEL_ID
+
+    assert ratio_schedule(None) == ratio_schedule(DEFAULT_MODEL_ID) == ratio_schedule("other/model") == RATIO_SCHEDULE
+    assert ratio_schedule(GEMMA3_MODEL_ID)[-1].lowest == 0.0  # every kept fraction is covered
+    for ratio in (1.0, 0.1, 0.05, 0.0499, 0.02):
+        base = CompactionConfig(method="arckv-ha", ratio=ratio)
+        gemma = base.for_model(GEMMA3_MODEL_ID)
+        step = ratio_defaults(ratio, GEMMA3_MODEL_ID)
+        assert (gemma.lambda_m, gemma.anchor_search) == (0.25, "omp") == (step.lambda_m, step.anchor_search)
+        assert config_id(gemma) == config_id(CompactionConfig(method="arckv-ha", ratio=ratio, anchor_search="omp"))
+        mine = base.for_model(DEFAULT_MODEL_ID)
+        assert config_id(mine) == config_id(base) and mine.fit == base.fit
+        assert (mine.lambda_m, mine.anchor_search) == (0.25, ratio_defaults(ratio).anchor_search)
+    given = CompactionConfig(method="arckv-ha", ratio=0.1, lambda_m=0.5, anchor_search="scores").for_model(GEMMA3_MODEL_ID)
+    assert (given.lambda_m, given.anchor_search) == (0.5, "scores")
+
+
+def test_compaction_runs_its_models_schedule(tiny_model, tiny_tokenizer, monkeypatch):
+    """``compact`` resolves the config for the model it compacts: a model given Gemma 3's id compacts
+    exactly as the same model with Gemma 3's anchor search given by hand, and unlike the default
+    schedule."""
+    from arckv_press.models import GEMMA3_MODEL_ID, MODEL_ID_ATTR
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    text = make_text(70, seed=2)
+    with torch.no_grad():
+        default = compact(model, tok, text, "arckv-ha", 0.25, query_budget=64)
+        explicit = compact(model, tok, text, "arckv-ha", 0.25, query_budget=64, anchor_search="omp")
+        monkeypatch.setattr(model.config, MODEL_ID_ATTR, GEMMA3_MODEL_ID, raising=False)
+        scheduled = compact(model, tok, text, "arckv-ha", 0.25, query_budget=64)
+    ids = [c.metadata.extra["config_id"] for c in (scheduled, explicit, default)]
+    assert ids[0] == ids[1] != ids[2]
+    for a, b in zip(layer_tensors(scheduled), layer_tensors(explicit)):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert any(not torch.equal(x, y) for a, b in zip(layer_tensors(scheduled), layer_tensors(default))
+               for x, y in zip(a[:3], b[:3]))
+
+
 @pytest.mark.parametrize("base", ["ha", "vi"])
 def test_residual_indexer_at_initialisation_compacts_like_its_training_free_base(tiny_model, tiny_tokenizer, base):
     """End to end: method ``arckv`` with a residual indexer at its initialisation (zero head

@@ -380,7 +380,7 @@ class HFArcKV(HFLM):
         self._config_id = ""
         if press is not None and self._ours:
             config = press.compaction_config()  # validate now, not at the first document
-            self._config_id = config_id(config) if self.ratio < 1.0 else ""
+            self._config_id = config_id(config.for_model(model_id(self.model))) if self.ratio < 1.0 else ""
         return press
 
     def _resolve_records_path(self, records: str | None) -> Path | None:
