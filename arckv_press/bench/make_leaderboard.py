@@ -73,8 +73,9 @@ TABLES: dict[str, GeneratedTable] = {
     "compaction-time": GeneratedTable(lambda rows, s, p: compaction_time_markdown(rows, threads=p.get("threads", 1)),
                                       (), ("threads",)),
     "development-split": GeneratedTable(
-        lambda rows, s, p: dev_split_markdown(rows, read_config_labels(s.root / p["labels"] if "labels" in p else None)),
-        (), ("labels",)),
+        lambda rows, s, p: dev_split_markdown(rows, read_config_labels(s.root / p["labels"] if "labels" in p else None),
+                                              p.get("model")),
+        (), ("labels", "model")),
     "selectors": GeneratedTable(lambda rows, s, p: selectors_markdown(rows)),
     "long-context": GeneratedTable(lambda rows, s, p: long_context_markdown(rows)),
     "evidence-cost": GeneratedTable(lambda rows, s, p: evidence_cost_markdown(rows, s.ranked()), per_model=True),

@@ -113,10 +113,11 @@ def _cell(value: tuple[float, int] | None, docs: int) -> str:
     return f"{mean:.3f}" if n == docs else f"{mean:.3f} ({n} docs)"
 
 
-def dev_split_markdown(rows: list[dict], labels: dict[tuple[str, str], str] | None = None) -> str:
-    """Mean development-split damage, a row per (method, options), a column per kept fraction
-    (``labels``: :func:`dev_damage`'s)."""
-    damage = dev_damage(rows, labels)
+def dev_split_markdown(rows: list[dict], labels: dict[tuple[str, str], str] | None = None,
+                       model_id: str | None = None) -> str:
+    """Mean development-split damage of one model (``model_id``, default the default model's), a row
+    per (method, options), a column per kept fraction (``labels``: :func:`dev_damage`'s)."""
+    damage = dev_damage(rows, labels, model_id)
     docs = max((n for by_ratio in damage.values() for _, n in by_ratio.values()), default=0)
     ratios = _ratios(damage.values())
     lines = ["| method | options | " + " | ".join(f"keep {float(r) * 100:g}%" for r in ratios) + " |",
