@@ -845,8 +845,12 @@ def test_development_split_labels_rows_by_their_options_and_todays_defaults():
     damage_more = dev_damage([*rows, longer, other_model], labels)
     assert damage_more[("arckv-ha", "default")] == {"0.1": (pytest.approx(0.3), 2)}
     assert damage_more[("arckv-ha", "default, 7,800-token docs")] == {"0.1": (0.8, 1)}
+    # on Gemma 3 (its own schedule) the default model's ids are not the defaults, its own are
     assert dev_damage([*rows, other_model], labels, model_id="google/gemma-3-270m") == {
-        ("arckv-ha", "default"): {"0.1": (0.9, 1)}}
+        ("arckv-ha", "keep 10%'s options"): {"0.1": (0.9, 1)}}
+    gemma = {**other_model, "config_id": CurrentIds("google/gemma-3-270m")("arckv-ha", 0.1)["config_id"]}
+    assert gemma["config_id"] != other_model["config_id"]
+    assert dev_damage([*rows, gemma], labels, model_id="google/gemma-3-270m") == {("arckv-ha", "default"): {"0.1": (0.9, 1)}}
     lines = dev_split_markdown(rows, labels).splitlines()
     assert lines[0] == "| method | options | keep 10% | keep 2% |"
     assert lines[2] == "| `arckv-ha` | default | 0.300 |  |"
