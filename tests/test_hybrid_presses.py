@@ -340,3 +340,23 @@ def test_tokens_fed_after_an_evicted_cache_do_not_see_their_future(family, name,
     torch.testing.assert_close(batched, stepwise, atol=1e-4, rtol=1e-4)
     reference = torch.nn.functional.cross_entropy(stepwise[:-1], cont[0, 1:])
     assert nll == pytest.approx(float(reference), abs=1e-4)
+
+
+def test_the_compaction_bench_clones_a_hybrid_cache_with_its_counts():
+    """``bench_compaction.clone_cache`` (each method compacts a copy of one prefill): on a model with
+    sliding-window layers the copy holds the same rows, in new storage, and the same token counts
+    (a sliding layer holds its window but has seen the whole context; the compaction checks that
+    count against the document)."""
+    from arckv_press.bench.bench_compaction import clone_cache
+    from arckv_press.cache import new_cache
+
+    model, tok = _gemma(), build_tiny_tokenizer(chat_template=False)
+    ids = _ids(tok)
+    cache = prefill_with_press(model, None, ids)
+    copy = clone_cache(model, cache)
+    assert [type(a) for a in copy.layers] == [type(a) for a in new_cache(model).layers]
+    assert [copy.get_seq_length(i) for i in range(len(copy.layers))] == [ids.shape[1]] * len(copy.layers)
+    for a, b in zip(cache.layers, copy.layers):
+        assert a.keys.shape[2] == b.keys.shape[2] < ids.shape[1] or a.keys.shape[2] == ids.shape[1]
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert a.keys.data_ptr() != b.keys.data_ptr()

@@ -90,13 +90,11 @@ def median_stages(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def clone_cache(model, cache):
-    """A new DynamicCache holding copies of ``cache``'s keys and values (compaction replaces layers)."""
-    from arckv_press.cache import new_cache
+    """A deep copy of ``cache`` (compaction replaces its layers in place): every layer's keys, values
+    and counters, so a sliding-window layer keeps the number of tokens it has seen."""
+    import copy
 
-    new = new_cache(model)
-    for i, layer in enumerate(cache.layers):
-        new.update(layer.keys.clone(), layer.values.clone(), i)
-    return new
+    return copy.deepcopy(cache)
 
 
 def document_ids(tok, haystack: str, length: int) -> tuple[torch.Tensor, int]:
