@@ -46,6 +46,22 @@ def test_needle_rows_of_another_indexer_checkpoint_or_config_are_left_out(tmp_pa
         line = next(line for line in out.splitlines() if line.split()[:2] == ["ruler", method])
         assert line.split()[4:6] == ["1", "1.00"]
 
+    # another model's rows, written last, stay out of the default model's summary, figures and depth
+    # tables, and get figures of their own
+    gemma = "google/gemma-3-270m"
+    needle.append_rows(path, [{**row("snapkv", "", "", 1), "model": gemma}, {**row("none", "", "", 0), "model": gemma}],
+                       needle.FIELDS)
+    assert [r["model"] for r in needle.model_rows(needle.read_rows(path))] == [DEFAULT_MODEL_ID] * len(rows)
+    assert [r["method"] for r in needle.model_rows(needle.read_rows(path), gemma)] == ["snapkv", "none"]
+    needle.summary(path)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:2] == ["ruler", "snapkv"])
+    assert line.split()[4:6] == ["1", "0.00"]  # the default model's one case (missed), not Gemma 3's
+    needle.write_depth_tables(path, tmp_path / "depths.md")
+    text = (tmp_path / "depths.md").read_text()
+    assert DEFAULT_MODEL_ID in text and gemma not in text and "| `snapkv` | 0/1 |" in text
+    assert [p.name for p in needle.plot(path, tmp_path, model=gemma)] == ["needle_gemma-3-270m_rho0.1.png"]
+    assert [p.name for p in needle.plot(path, tmp_path)] == ["needle_rho0.1.png"]
+
 
 def test_indexer_flag_reaches_the_press_and_the_row_ids(tmp_path, monkeypatch):
     """``--indexer DIR``: the methods that use the learned indexer get that checkpoint (its id in
@@ -140,8 +156,9 @@ def test_tiny_run_resumes_is_deterministic_and_draws_one_panel_per_method(tiny_m
     assert all(r["needle"] == rows[0]["needle"] and r["correct"] in ("0", "1") for r in rows)
     by_method = {(r["method"], r["ratio"]): int(r["cache_bytes"]) for r in rows if r["depth"] == "0"}
     assert by_method[("arckv-ha", "0.25")] < by_method[("arckv-ha", "0.5")] < by_method[("none", "1")]
-    assert titles == {"needle_rho0.5.png": ["full cache", "arckv-ha", "snapkv"],
-                      "needle_rho0.25.png": ["full cache", "arckv-ha", "snapkv"]}
+    # the model is not the default one: its figures carry its short name (here the folder's, "model")
+    assert titles == {"needle_model_rho0.5.png": ["full cache", "arckv-ha", "snapkv"],
+                      "needle_model_rho0.25.png": ["full cache", "arckv-ha", "snapkv"]}
     capsys.readouterr()
     assert needle.main([*common, "--out", str(first)]) == 0
     assert "0 cases to run, 10 already in" in capsys.readouterr().out and len(needle.read_rows(first)) == 10

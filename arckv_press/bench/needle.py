@@ -247,22 +247,38 @@ def framing_of(row: dict) -> str:
     return row.get("framing") or "ruler"
 
 
+def model_rows(rows: list[dict], model: str | None = None) -> list[dict]:
+    """The current rows of one model (``model``, default the default model's; rows from before the
+    model column are the default model's), so figures, summaries and depth tables never mix models."""
+    from arckv_press.models import DEFAULT_MODEL_ID
+
+    model = model or DEFAULT_MODEL_ID
+    return [r for r in rows if (r.get("model") or DEFAULT_MODEL_ID) == model]
+
+
 def plot(csv_path: Path, out_dir: Path, options: dict | None = None, indexer: str | None = None,
-         framing: str = "ruler") -> list[Path]:
+         framing: str = "ruler", model: str | None = None) -> list[Path]:
     """One heat-map figure per kept fraction (full cache shown as the first panel of each), named
-    after the CSV (``needle.csv`` -> ``needle_rho0.1.png``), of the rows made with the current
-    defaults or, when given, the ``--option`` fields ``options`` and ``--indexer`` checkpoint."""
+    after the CSV (``needle.csv`` -> ``needle_rho0.1.png``; another model than the default adds its
+    short name, ``needle_gemma-3-270m_rho0.1.png``), of ``model``'s rows (:func:`model_rows`) made
+    with the current defaults or, when given, the ``--option`` fields ``options`` and ``--indexer``
+    checkpoint."""
+    from arckv_press.models import DEFAULT_MODEL_ID
+
+    from .leaderboard.table import short_model
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    rows = read_rows(csv_path)
+    model = model or DEFAULT_MODEL_ID
+    rows = model_rows(read_rows(csv_path), model)
     if not rows:
-        print(f"nothing to plot: {csv_path} has no rows")
+        print(f"nothing to plot: {csv_path} has no rows of {model}")
         return []
-    rows = [r for r in current_rows(rows, rows[-1]["model"], options, indexer) if framing_of(r) == framing]
+    rows = [r for r in current_rows(rows, model, options, indexer) if framing_of(r) == framing]
     if not rows:
         print(f"nothing to plot: {csv_path} has no {framing}-framed rows made with these options")
         return []
@@ -276,7 +292,6 @@ def plot(csv_path: Path, out_dir: Path, options: dict | None = None, indexer: st
     depths = sorted({k[3] for k in acc})
     ratios = sorted({k[1] for k in acc if k[0] != "none"}, reverse=True)
     order = {name: i for i, name in enumerate(("none",) + DEFAULT_METHODS)}
-    model = rows[-1]["model"]
     cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="#dddddd")
     written = []
     for ratio in ratios:
@@ -313,7 +328,8 @@ def plot(csv_path: Path, out_dir: Path, options: dict | None = None, indexer: st
             fig.colorbar(image, ax=axes, shrink=0.8, label="exact retrieval")
         fig.suptitle(f"Needle in a haystack ({framing} framing), kept fraction rho = {ratio:g} ({model}; grey: not run)",
                      fontsize=10)
-        stem = csv_path.stem if framing == "ruler" else f"{csv_path.stem}_{framing}"
+        stem = csv_path.stem if model == DEFAULT_MODEL_ID else f"{csv_path.stem}_{short_model(model)}"
+        stem = stem if framing == "ruler" else f"{stem}_{framing}"
         path = out_dir / f"{stem}_rho{ratio:g}.png"
         fig.savefig(path, dpi=130)
         plt.close(fig)
@@ -321,11 +337,13 @@ def plot(csv_path: Path, out_dir: Path, options: dict | None = None, indexer: st
     return written
 
 
-def summary(csv_path: Path, options: dict | None = None, indexer: str | None = None) -> None:
+def summary(csv_path: Path, options: dict | None = None, indexer: str | None = None, model: str | None = None) -> None:
     """Accuracy, median compaction seconds and median cache MiB per method, kept fraction and length
-    (rows made with the current defaults, or with ``options`` / ``indexer`` as :func:`plot`)."""
-    rows = read_rows(csv_path)
-    rows = current_rows(rows, rows[-1]["model"], options, indexer) if rows else rows
+    (``model``'s rows made with the current defaults, or with ``options`` / ``indexer`` as :func:`plot`)."""
+    from arckv_press.models import DEFAULT_MODEL_ID
+
+    model = model or DEFAULT_MODEL_ID
+    rows = current_rows(model_rows(read_rows(csv_path), model), model, options, indexer)
     by: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         by[(framing_of(r), r["method"], float(r["ratio"]), int(r["length"]))].append(r)
@@ -367,12 +385,16 @@ def depth_table(rows: list[dict], ratio: float, framing: str) -> str:
     return "\n".join(lines) + f"\n\n({framing} framing, keep {ratio:g}; lengths {span}; cells: needles found / cases)\n"
 
 
-def write_depth_tables(csv_path: Path, out: Path, options: dict | None = None, indexer: str | None = None) -> None:
-    """Write the recall-by-depth tables of every framing and kept fraction of ``csv_path``'s current rows."""
-    rows = read_rows(csv_path)
-    rows = current_rows(rows, rows[-1]["model"], options, indexer) if rows else rows
+def write_depth_tables(csv_path: Path, out: Path, options: dict | None = None, indexer: str | None = None,
+                       model: str | None = None) -> None:
+    """Write the recall-by-depth tables of every framing and kept fraction of ``csv_path``'s current
+    rows of ``model`` (default the default model's)."""
+    from arckv_press.models import DEFAULT_MODEL_ID
+
+    model = model or DEFAULT_MODEL_ID
+    rows = current_rows(model_rows(read_rows(csv_path), model), model, options, indexer)
     parts = [f"# Needle recall by depth\n\nGenerated by `python scripts/needle.py --plot-only --depth-table {out}` "
-             f"from `{csv_path.name}` ({rows[-1]['model'] if rows else 'no rows'}, float32, CPU; current defaults); "
+             f"from `{csv_path.name}` ({model}, float32, CPU; current defaults); "
              "do not edit. Haystacks: the Paul Graham essays for the RULER framing, one QuALITY article per seed for "
              "the pipeline framing (`scripts/needle.py --help`). Each row's machine is in the CSV.\n"]
     for framing in sorted({framing_of(r) for r in rows}):
@@ -384,6 +406,7 @@ def write_depth_tables(csv_path: Path, out: Path, options: dict | None = None, i
 
 def main(argv: list[str] | None = None) -> int:
     from arckv_press.methods import METHOD_NAMES
+    from arckv_press.models import named_model_id
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", choices=[m for m in METHOD_NAMES], default=None,
@@ -427,13 +450,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.plot_only:
         run(args, run_meta())
     (args.out.parent / "plots").mkdir(parents=True, exist_ok=True)
+    model = named_model_id(args.model)  # the figures, depth tables and summary of this model's rows
     for framing in FRAMINGS:
-        for path in plot(args.out, args.out.parent / "plots", args.options, args.indexer, framing):
+        for path in plot(args.out, args.out.parent / "plots", args.options, args.indexer, framing, model):
             print(f"wrote {path}")
     if args.depth_table is not None:
-        write_depth_tables(args.out, args.depth_table, args.options, args.indexer)
+        write_depth_tables(args.out, args.depth_table, args.options, args.indexer, model)
         print(f"wrote {args.depth_table}")
-    summary(args.out, args.options, args.indexer)
+    summary(args.out, args.options, args.indexer, model)
     return 0
 
 
