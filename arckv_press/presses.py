@@ -37,7 +37,7 @@ from kvpress import BasePress
 
 from arckv_press.config import CompactionConfig
 from arckv_press.api import CompactionReport, compact_prefilled
-from arckv_press.cache import make_evictable, new_cache
+from arckv_press.cache import new_cache
 from arckv_press.capture import framing_for
 from arckv_press.compaction.checks import check_ratio
 from arckv_press.methods import am_method, arckv_method
@@ -261,9 +261,6 @@ class _CompactionPress(BasePress):
                     raise ValueError(f"{type(self).__name__} needs the context's cache: do not pass use_cache=False")
                 cache = new_cache(model)
                 kwargs["past_key_values"] = cache
-            # a caller's plain layers get new_cache's causal mask; a bare DynamicCache keeps its layout
-            # (kvpress's pipeline trims each answer from layers it assumes are not sliding windows)
-            make_evictable(cache)
             if cache.get_seq_length() != 0:
                 raise ValueError(
                     f"{type(self).__name__} must see the context prefill on an empty cache; the cache already "

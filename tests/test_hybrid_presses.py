@@ -353,7 +353,7 @@ def test_the_compaction_bench_clones_a_hybrid_cache_with_its_counts():
     model, tok = _gemma(), build_tiny_tokenizer(chat_template=False)
     ids = _ids(tok)
     cache = prefill_with_press(model, None, ids)
-    copy = clone_cache(model, cache)
+    copy = clone_cache(cache)
     assert [type(a) for a in copy.layers] == [type(a) for a in new_cache(model).layers]
     assert [copy.get_seq_length(i) for i in range(len(copy.layers))] == [ids.shape[1]] * len(copy.layers)
     for a, b in zip(cache.layers, copy.layers):

@@ -51,8 +51,6 @@ def test_needle_rows_of_another_indexer_checkpoint_or_config_are_left_out(tmp_pa
     gemma = "google/gemma-3-270m"
     needle.append_rows(path, [{**row("snapkv", "", "", 1), "model": gemma}, {**row("none", "", "", 0), "model": gemma}],
                        needle.FIELDS)
-    assert [r["model"] for r in needle.model_rows(needle.read_rows(path))] == [DEFAULT_MODEL_ID] * len(rows)
-    assert [r["method"] for r in needle.model_rows(needle.read_rows(path), gemma)] == ["snapkv", "none"]
     needle.summary(path)
     line = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:2] == ["ruler", "snapkv"])
     assert line.split()[4:6] == ["1", "0.00"]  # the default model's one case (missed), not Gemma 3's

@@ -89,7 +89,7 @@ def median_stages(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
 
 
-def clone_cache(model, cache):
+def clone_cache(cache):
     """A deep copy of ``cache`` (compaction replaces its layers in place): every layer's keys, values
     and counters, so a sliding-window layer keeps the number of tokens it has seen."""
     import copy
@@ -119,7 +119,7 @@ def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float
     config = CompactionConfig(method=method, ratio=ratio, **(options or {}))
     try:
         with PeakRSS() as rss:
-            work = clone_cache(model, cache)
+            work = clone_cache(cache)
             t0 = time.perf_counter()
             result = compact_prefilled(model, tok, work, ids, prefix_len, config, already_prefilled=True)
             total = time.perf_counter() - t0
@@ -148,22 +148,22 @@ def run_press(model, name: str, ratio: float, ids, held=None) -> tuple[float, fl
     return seconds, harness_free_peak_mib(rss, held)
 
 
-#: the question of the full-cache peak memory measurement (:func:`full_cache_peak_mib`)
+#: the question of the full-cache peak memory measurement (:func:`full_cache_prefill`)
 RSS_QUESTION, RSS_ANSWER_TOKENS = "What is the main point of the text above?", 16
 
 
-def full_cache_peak_mib(model, tok, ids: torch.Tensor) -> float:
-    """The process's peak resident memory (MiB) over a full-cache prefill of ``ids`` and a greedy
-    answer of :data:`RSS_ANSWER_TOKENS` tokens to :data:`RSS_QUESTION`: what a compaction's peak is
-    compared with. Run while the harness holds no prefilled cache."""
+def full_cache_prefill(model, tok, ids: torch.Tensor):
+    """``(cache, MiB)``: a full-cache prefill of ``ids``, and the process's peak resident memory over
+    it and a greedy answer of :data:`RSS_ANSWER_TOKENS` tokens to :data:`RSS_QUESTION` (which
+    restores the cache): what a compaction's peak is compared with. Run while the harness holds no
+    other prefilled cache; the methods then compact copies of this one."""
     from arckv_press.capture import prefill
     from arckv_press.generation import answer
 
     with PeakRSS() as rss:
         cache = prefill(model, ids)
         answer(model, tok, cache, RSS_QUESTION, max_new_tokens=RSS_ANSWER_TOKENS)
-        del cache
-    return rss.peak / 2**20
+    return cache, rss.peak / 2**20
 
 
 def harness_free_peak_mib(rss: "PeakRSS", held=None) -> float:
@@ -228,8 +228,8 @@ def model_section(args, meta: dict) -> list[dict]:
         for length in args.lengths:
             ids, prefix_len = document_ids(tok, haystack, length)
             pre = median_seconds(partial(prefill, model, ids), args.repeats)  # warm-up at this length
-            base = {"prefill": pre, "full_peak_rss_mib": full_cache_peak_mib(model, tok, ids)}
-            cache = prefill(model, ids)
+            cache, full_mib = full_cache_prefill(model, tok, ids)
+            base = {"prefill": pre, "full_peak_rss_mib": full_mib}
             if args.plain_repeat:
                 base["repeat_plain"] = median_seconds(partial(plain_repeat, model, tok, cache, ids, prefix_len),
                                                       args.repeats, warmup=0)

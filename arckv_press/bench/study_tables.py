@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from .leaderboard.doc_tables import of_model
 from .leaderboard.table import REFERENCE_METHODS, fmt_ratio
 
 __all__ = ["read_config_labels", "dev_damage", "dev_split_markdown", "selectors_markdown",
@@ -92,9 +93,7 @@ def dev_damage(rows: list[dict], labels: dict[tuple[str, str], str] | None = Non
         return "" if tokens == DOC_TOKENS else f", {tokens:,}-token docs"
 
     docs: dict[tuple[str, str, str], dict[str, float]] = defaultdict(dict)
-    for r in rows:
-        if (r.get("model") or DEFAULT_MODEL_ID) != model_id:  # rows from before the model column: the default model
-            continue
+    for r in of_model(rows, model_id):  # rows from before the model column: the default model's
         docs[(r["method"], label(r) + length(r), fmt_ratio(r["ratio"]))][r["doc"]] = float(r["damage"])  # a rerun replaces
     out: dict[tuple[str, str], dict[str, tuple[float, int]]] = defaultdict(dict)
     for (method, name, ratio), by_doc in docs.items():
