@@ -21,7 +21,7 @@ def test_synthetic_sweep_prints_the_ratio_of_the_timings_it_writes(tmp_path, cap
     post = {r["length"]: float(r["seconds"]) for r in rows if r["method"] == "arckv-ha" and r["stage"] == "post"}
     rows = [r for r in rows if r["length"] == "1024"]
     arc = {r["stage"]: float(r["seconds"]) for r in rows if r["method"] == "arckv-ha"}
-    assert arc["post_mib"] >= 0  # the post stage's peak memory above its start
+    assert arc["post_tensor_mib"] > 0  # the peak bytes of the tensors the post stage holds at once
     # the whole default pipeline: the statistics pass, then selection, witnesses, merging and fits
     assert {"reference_pass", "selection", "fit_rows", "merge", "beta_fit", "value_fit", "post", "total"} <= set(arc)
     assert all(v >= 0 for v in arc.values())
@@ -171,3 +171,39 @@ def test_repeat_floor_counts_pairs_and_tokens_as_brute_force():
         repeat_floor(1.0, 0.5, L, [])
     with pytest.raises(ValueError, match=">= 0"):
         attention_pairs([2], -1)
+
+
+def test_repeat_floor_of_a_hybrid_model_counts_each_layer_in_its_window():
+    """A sliding-window layer's queries see at most its window (brute force over the mask); the floor
+    weighs each layer's pair ratio by its share of the attention time."""
+    import pytest
+
+    from arckv_press.bench.repeat_floor import attention_calls, attention_pairs, layer_shares, repeat_floor
+
+    def brute(lengths, past, window):
+        return sum(1 for m in lengths for i in range(m) for j in range(past + m)
+                   if j <= past + i and j > past + i - window)
+
+    for lengths, past in (([5], 0), ([3, 4], 7), ([1, 1, 2], 2), ([9], 0), ([4, 6], 5)):
+        for window in (1, 2, 3, 5, 8, 100):
+            assert attention_pairs(lengths, past, window) == brute(lengths, past, window)
+    L, chunks, W = 40, [22, 23], 8
+    full = attention_pairs(chunks, L) / attention_pairs([L], 0)
+    sliding = brute(chunks, L, W) / brute([L], 0, W)
+    assert sliding < full                         # the repeat's queries see a window, not the context
+    a, tokens = 0.4, 45 / 40
+    assert repeat_floor(3.0, a, L, chunks, [None, W], [1.0, 3.0]) == pytest.approx(
+        3.0 * ((1 - a) * tokens + a * (0.25 * full + 0.75 * sliding)))
+    # every layer full: the shares do not matter, and the floor is the one of one full layer
+    assert repeat_floor(3.0, a, L, chunks, [None, None], [1.0, 5.0]) == pytest.approx(repeat_floor(3.0, a, L, chunks))
+    with pytest.raises(ValueError, match="share per layer"):
+        repeat_floor(3.0, a, L, chunks, [None, W], [1.0])
+    # the layers' parts of a forward: one attention call per layer, in order; n forwards are summed
+    assert layer_shares([1, 2, 3, 4, 5, 6], 3) == [5, 7, 9]
+    assert layer_shares([1, 2, 3], 2) is None and layer_shares([], 2) is None
+    import torch
+
+    q = torch.randn(1, 2, 64, 16)
+    calls, wall = attention_calls(lambda: [torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+                                           for _ in range(3)])
+    assert len(calls) == 3 and all(c >= 0 for c in calls) and sum(calls) <= wall

@@ -16,7 +16,8 @@ method, so an interrupted run keeps what it measured; ``--summary`` prints the s
 of the last run from the CSV. ``--option KEY=VALUE`` times a ``CompactionConfig`` option
 (e.g. ``min_head_fraction=1.0``); its rows carry that option's ``config_id``.
 
-Memory (MiB in the ``seconds`` column, the process's resident set sampled every 5 ms by a thread):
+Memory (MiB in the ``seconds`` column, the process's resident set sampled every 5 ms by a thread,
+:class:`~arckv_press.bench.memory.PeakRSS`):
 ``full_peak_rss_mib`` (method ``none``) is the peak over a full-cache prefill and a 16-token greedy
 answer, measured while the harness holds no other cache; ``peak_rss_mib`` of each method is the
 peak over its compaction of a copy of the prefilled cache (kvpress's presses: their prefill and
@@ -36,11 +37,13 @@ Synthetic part: the default ARC-KV pipeline on random ``K, V [H, T, D]`` and one
 query head and position (``Q [H, G, T, D]``, H = 3, G = 3, D = 64): the statistics pass
 (``reference_pass``, which the repeat-prefill does on a model) and everything after it
 (``post``: top-t, witnesses, merging, fits; chunk by chunk above the default ``chunk_min_length``)
-with its peak resident memory above its start (``post_mib``, MiB in the ``seconds`` column), the same
-post without chunks up to ``--unchunked-max-T`` (``post_unchunked``, ``post_unchunked_mib``), against
+with the peak bytes of the tensors it holds at once (``post_tensor_mib``, MiB in the ``seconds`` column,
+from a second, untimed run: the bytes ``malloc`` holds, sampled, :class:`~arckv_press.bench.memory.PeakTensorMemory`),
+the same post without chunks up to ``--unchunked-max-T`` (``post_unchunked``,
+``post_unchunked_tensor_mib``), against
 ``am_compact(..., "omp-fast")`` on n = max(``--queries`` (2048), 2 t) rows, T from 1024 up to
 ``--max-T`` (at most 131072). OMP-fast is not run at a length once a shorter one took more than
-``--omp-cap`` seconds. The growth of post and of its memory per doubling of T, and post / pass at
+``--omp-cap`` seconds, nor beyond ``--omp-max-T`` (32768). The growth of post and of its memory per doubling of T, and post / pass at
 each T, are printed from the same run. When the default model's indexer
 is shipped, its default anchor selection (``indexer_rows`` a row count: layer 0's parameters on
 that many of the budget rows, corrected by the pass's HA scores) is timed too.
@@ -66,6 +69,7 @@ from pathlib import Path
 import torch
 
 from arckv_press.bench import ROOT
+from arckv_press.bench.memory import PeakRSS, PeakTensorMemory, harness_free_peak_mib
 from arckv_press.methods import COMPACTION_METHODS
 from arckv_press.runinfo import (
     CurrentIds,
@@ -166,15 +170,6 @@ def full_cache_prefill(model, tok, ids: torch.Tensor):
     return cache, rss.peak / 2**20
 
 
-def harness_free_peak_mib(rss: "PeakRSS", held=None) -> float:
-    """The process's peak resident MiB of a measured step, less the bytes of the prefilled cache
-    ``held`` that only the harness keeps beside it (to compact a copy of it per method): what the
-    step's peak is when a user compacts their one prefilled cache in place."""
-    from arckv_press.cache import cache_nbytes
-
-    return (rss.peak - (cache_nbytes(held) if held is not None else 0)) / 2**20
-
-
 def model_section(args, meta: dict) -> list[dict]:
     from arckv_press.config import CompactionConfig
     from arckv_press.haystack import load_haystack
@@ -268,18 +263,24 @@ def floor_stages(model, tok, ids: torch.Tensor, prefix_len: int, prefill_seconds
     """One profiled prefill of ``ids``: ``prefill_attention`` (its attention kernel's seconds),
     ``prefill_profiled`` (its wall seconds) and ``repeat_floor``, the seconds an exact repeat-prefill
     of the default chunks needs at least (:func:`~arckv_press.bench.repeat_floor.repeat_floor`, with the
-    share of attention of the profiled prefill applied to the median prefill ``prefill_seconds``)."""
+    share of attention of the profiled prefill applied to the median prefill ``prefill_seconds``, and
+    each layer's part of it and window: a sliding-window layer's queries see at most its window)."""
     from arckv_press.config import CompactionConfig
     from arckv_press.capture import framing_for, prefill, repeat_chunks
+    from arckv_press.models import describe_attention_layout
 
-    from .repeat_floor import attention_seconds, repeat_floor
+    from .repeat_floor import attention_calls, layer_shares, repeat_floor
 
-    kernel, wall = attention_seconds(partial(prefill, model, ids))
+    calls, wall = attention_calls(partial(prefill, model, ids))
+    layout = describe_attention_layout(model)
+    windows = [layout.sliding_window if kind == "sliding_attention" else None for kind in layout.layer_types]
     doc = ids[:, prefix_len:].cpu()
     chunks = [c.shape[-1] for _, _, c in repeat_chunks(tok, doc, framing_for(tok).suffix_ids,
                                                          CompactionConfig().repeat_chunk)]
+    kernel = sum(calls)
     return {"prefill_attention": kernel, "prefill_profiled": wall,
-            "repeat_floor": repeat_floor(prefill_seconds, kernel / wall, ids.shape[1], chunks)}
+            "repeat_floor": repeat_floor(prefill_seconds, kernel / wall, ids.shape[1], chunks, windows,
+                                         layer_shares(calls, len(windows)))}
 
 
 def plain_repeat(model, tok, cache, ids: torch.Tensor, prefix_len: int) -> None:
@@ -418,16 +419,22 @@ def _reference_pass(K, V, Q4, scaling):
 
 def _post(K, V, Q4, stats, budgets, scaling, method, base_rows, merge_rows) -> dict[str, float]:
     """Everything after the statistics pass (:func:`compact_layer_from_stats`): stage seconds, ``post``
-    (its wall time) and ``post_mib``, the peak resident memory above the stage's start (sampled)."""
+    (its wall time) and ``post_tensor_mib``, the peak bytes of the tensors it holds at once
+    (:class:`~arckv_press.bench.memory.PeakTensorMemory`, measured in a second, untimed run)."""
     from arckv_press.compaction.layer import compact_layer_from_stats
 
     H, G, N, D = Q4.shape
-    with PeakRSS() as rss:
-        t0 = time.perf_counter()
-        res = compact_layer_from_stats(K, V, Q4.reshape(H, G * N, D), stats, budgets, scaling, method, base_rows,
-                                       merge_rows)
-        post = time.perf_counter() - t0
-    return {**res.timings, "post": post, "post_mib": rss.peak_mib}
+
+    def run():
+        return compact_layer_from_stats(K, V, Q4.reshape(H, G * N, D), stats, budgets, scaling, method, base_rows,
+                                        merge_rows)
+
+    t0 = time.perf_counter()
+    timings = run().timings
+    post = time.perf_counter() - t0
+    with PeakTensorMemory(K.device) as mem:
+        run()
+    return {**timings, "post": post, "post_tensor_mib": mem.peak_mib}
 
 
 def _fused_layer(K, V, Q4, budgets, scaling, method, base_rows, merge_rows) -> tuple[dict[str, float], torch.Tensor]:
@@ -436,54 +443,6 @@ def _fused_layer(K, V, Q4, budgets, scaling, method, base_rows, merge_rows) -> t
     stats, seconds = _reference_pass(K, V, Q4, scaling)
     post = _post(K, V, Q4, stats, budgets, scaling, method, base_rows, merge_rows)
     return {"reference_pass": seconds, **post, "total": seconds + post["post"]}, stats.scores
-
-
-class PeakRSS:
-    """Peak resident memory of the process above its value at entry, in MiB (``peak_mib``), sampled every
-    ``interval`` seconds by a thread. Free memory the allocator still holds is returned to the system first
-    (glibc ``malloc_trim``, where there is one), so the stage's own allocations count."""
-
-    def __init__(self, interval: float = 0.005):
-        self.interval = interval
-        self.peak_mib = float("nan")
-
-    @staticmethod
-    def rss_bytes() -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                import os
-
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            import psutil
-
-            return psutil.Process().memory_info().rss
-
-    def __enter__(self):
-        import ctypes
-        import ctypes.util
-        import threading
-
-        try:
-            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-        self.start = self.peak = self.rss_bytes()
-        self._stop = threading.Event()
-
-        def sample():
-            while not self._stop.wait(self.interval):
-                self.peak = max(self.peak, self.rss_bytes())
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.rss_bytes())
-        self.peak_mib = (self.peak - self.start) / 2**20
 
 
 def growth_lines(Ts: list[int], post: dict[int, float], passes: dict[int, float], mib: dict[int, float],
@@ -523,7 +482,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
           f"statistics pass ('pass', done inside the repeat-prefill on a model) and everything after it ('post': "
           f"top-t, witnesses, merging on {config.merge_rows} rows, fits on the {config.query_budget} budget rows + "
           f"witnesses; above {method.chunk_min_length} positions merged and fitted in chunks of {method.chunk_len}), "
-          f"'MiB' its peak memory above its start. 'unchunked': the same post without chunks (the path below "
+          f"'MiB' the peak bytes of the tensors it holds at once (a second, untimed run). 'unchunked': the same post without chunks (the path below "
           f"{method.chunk_min_length} positions), up to --unchunked-max-T {args.unchunked_max_T}. OMP-fast on "
           f"n = max({args.queries}, 2t) rows. "
           + (f"Learned indexer: the shipped one, layer 0, selection with corrected scores (its scores on "
@@ -565,7 +524,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
             runs = [_post(K, V, Q4, stats, budgets, scaling, method, base, merge) for _ in range(args.repeats)]
             arc = {"reference_pass": seconds, **median_stages(runs)}
             arc["total"] = seconds + arc["post"]
-            post_mib_T = arc.pop("post_mib")
+            post_mib_T = arc.pop("post_tensor_mib")
             flat = None
             if T > method.chunk_min_length and T <= args.unchunked_max_T:
                 unchunked = dataclasses.replace(method, chunk_min_length=T)
@@ -574,7 +533,7 @@ def synthetic_section(args, meta: dict) -> list[dict]:
             if ratio == args.synthetic_ratios[0]:
                 post_s[T], pass_s[T], post_mib[T] = arc["post"], seconds, post_mib_T
                 if flat is not None:
-                    flat_s[T], flat_mib[T] = flat["post"], flat["post_mib"]
+                    flat_s[T], flat_mib[T] = flat["post"], flat["post_tensor_mib"]
             idx_sel = None
             if indexer is not None:
                 Qs = Q4.reshape(H, -1, D)[:, score]
@@ -583,19 +542,21 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                                                  SCORE_SHRINK, Qs.shape[1] / (G * T)), args.repeats, warmup=0)
                 rows.append(timing_row("arckv", ratio, T, "selection", idx_sel))
             omp = None
+            if not omp_stopped and T > args.omp_max_T:
+                omp_stopped = True  # its dense [n, T] products outgrow memory before its time does
             if not omp_stopped:
                 Qo = torch.randn(H, max(args.queries, 2 * t), D, generator=gen)
                 omp = median_seconds(partial(am_compact, Qo, K, V, budgets, scaling, "omp-fast"), args.repeats, warmup=0)
                 omp_stopped = omp > args.omp_cap
             rows += [timing_row("arckv-ha", ratio, T, stage, sec) for stage, sec in arc.items()]
-            rows.append(timing_row("arckv-ha", ratio, T, "post_mib", post_mib_T))  # MiB in the seconds column
+            rows.append(timing_row("arckv-ha", ratio, T, "post_tensor_mib", post_mib_T))  # MiB in the seconds column
             if flat is not None:
                 rows += [timing_row("arckv-ha", ratio, T, "post_unchunked", flat["post"]),
-                         timing_row("arckv-ha", ratio, T, "post_unchunked_mib", flat["post_mib"])]
+                         timing_row("arckv-ha", ratio, T, "post_unchunked_tensor_mib", flat["post_tensor_mib"])]
             if omp is not None:
                 rows.append(timing_row("am-omp-fast", ratio, T, "total", omp))
             idx_txt = f"{idx_sel:>9.2f}" if idx_sel is not None else f"{'-':>9}"
-            flat_txt = f"{flat['post']:>9.2f} {flat['post_mib']:>6.0f}" if flat is not None else f"{'-':>9} {'-':>6}"
+            flat_txt = f"{flat['post']:>9.2f} {flat['post_tensor_mib']:>6.0f}" if flat is not None else f"{'-':>9} {'-':>6}"
             if omp is None:
                 omp_skipped = True
                 omp_txt = f"{'skipped':>10} {'-':>9}"
@@ -606,7 +567,8 @@ def synthetic_section(args, meta: dict) -> list[dict]:
                   f"{arc['post'] / seconds:>9.3f} | {flat_txt} | {idx_txt} | {omp_txt}", flush=True)
         del K, V, Q4, stats
     if omp_skipped:
-        print(f"(OMP-fast not run beyond the first length where it took more than --omp-cap {args.omp_cap:g} s)")
+        print(f"(OMP-fast not run beyond --omp-max-T {args.omp_max_T} or the first length where it took more than "
+              f"--omp-cap {args.omp_cap:g} s)")
     print(f"\nrho {args.synthetic_ratios[0]:g}, from this run:")
     for line in [*growth_lines(Ts, post_s, pass_s, post_mib, "default"),
                  *growth_lines(sorted(flat_s), flat_s, pass_s, flat_mib, "unchunked")]:
@@ -629,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="longest synthetic length at which the unchunked post is timed too (default 65536)")
     p.add_argument("--queries", type=int, default=2048, help="synthetic reference rows per head")
     p.add_argument("--omp-cap", type=float, default=300.0, help="stop OMP-fast after a length taking longer (s)")
+    p.add_argument("--omp-max-T", type=int, default=32768,
+                   help="longest synthetic length OMP-fast runs at (default 32768: at 65536 it ran out of 24 GiB)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats, median (default 3; quick 1)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -710,7 +674,7 @@ def last_model_run(rows: list[dict], ids: CurrentIds | None = None, methods=None
 def last_synthetic_run(rows: list[dict], ratio: float = 0.1) -> tuple[dict[str, str], dict[int, dict[str, float]]]:
     """The newest synthetic-section run (the rows of one command and date) at kept fraction ``ratio``:
     ``(run, by_length)`` with ``run`` its ``date``, ``command``, ``machine`` and ``threads`` and
-    ``by_length[T] = {"method/stage": seconds}`` (``post_mib`` stages hold MiB). The newest is the
+    ``by_length[T] = {"method/stage": seconds}`` (``*_mib`` stages hold MiB). The newest is the
     last such run in the file; an interrupted run counts."""
     rows = [r for r in rows if r["section"] == "synthetic" and abs(float(r["ratio"]) - ratio) < 1e-9]
     if not rows:

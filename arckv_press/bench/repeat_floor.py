@@ -3,15 +3,18 @@
 A repeat-prefill (the reference pass of paper Sec. 3.1) runs the document's tokens through the model
 a second time, in chunks, each chunk after the whole cached context. Its linear work (projections,
 MLPs) is the prefill's times ``M / L`` (``M`` tokens repeated, the chunks' prompts included, against
-the ``L`` tokens prefilled), and its attention work is the prefill's times the ratio of query-key
-pairs, ``sum_k (m_k L + m_k (m_k + 1) / 2) / (L (L + 1) / 2)``. With ``a`` the attention kernel's
-share of a prefill's time, an exact repeat-prefill at the prefill's kernel speeds costs at least
+the ``L`` tokens prefilled). Its attention work, layer by layer, is the prefill's times the ratio of
+the query-key pairs the layer needs: a full-attention layer's queries see every earlier position,
+``sum_k (m_k L + m_k (m_k + 1) / 2) / (L (L + 1) / 2)``; a sliding-window layer's (window ``W``) see
+at most ``W``, so its ratio is about ``M / L`` (:func:`attention_pairs`). With ``a`` the attention
+kernel's share of a prefill's time and ``a_l`` layer ``l``'s part of it, an exact repeat-prefill at
+the prefill's kernel speeds costs at least
 
-    floor = prefill * ((1 - a) * M / L + a * pairs ratio)
+    floor = prefill * ((1 - a) * M / L + a * sum_l a_l * pairs ratio of layer l)
 
-which is what :func:`repeat_floor` returns. ``a`` comes from :func:`attention_seconds`, the self time
-of PyTorch's attention kernels under :mod:`torch.profiler` (CPU only: on CUDA the profiler's CPU
-time of a kernel is its launch, not its run).
+which is what :func:`repeat_floor` returns. ``a`` and the ``a_l`` come from :func:`attention_calls`:
+the self time of PyTorch's attention kernels under :mod:`torch.profiler`, one call per layer in
+layer order (CPU only: on CUDA the profiler's CPU time of a kernel is its launch, not its run).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["ATTENTION_KERNELS", "attention_pairs", "attention_seconds", "repeat_floor"]
+__all__ = ["ATTENTION_KERNELS", "attention_pairs", "attention_calls", "layer_shares", "repeat_floor"]
 
 #: The CPU attention kernels behind ``scaled_dot_product_attention`` (profiler names).
 ATTENTION_KERNELS = (
@@ -28,33 +31,61 @@ ATTENTION_KERNELS = (
 )
 
 
-def attention_pairs(query_lengths: Sequence[int], past: int) -> int:
-    """Query-key pairs of causal forwards of ``query_lengths`` tokens, each after ``past`` cached ones."""
+def attention_pairs(query_lengths: Sequence[int], past: int, window: int | None = None) -> int:
+    """Query-key pairs of causal forwards of ``query_lengths`` tokens, each after ``past`` cached ones;
+    with ``window``, each query sees at most the ``window`` last positions, itself included (a
+    sliding-window layer)."""
     if past < 0 or any(m < 0 for m in query_lengths):
         raise ValueError(f"lengths must be >= 0, got past {past} and queries {list(query_lengths)}")
-    return sum(m * past + m * (m + 1) // 2 for m in query_lengths)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+
+    def upto(p: int) -> int:  # sum over query positions 1..p of the keys each sees
+        if window is None or p <= window:
+            return p * (p + 1) // 2
+        return window * (window + 1) // 2 + (p - window) * window
+
+    return sum(upto(past + m) - upto(past) for m in query_lengths)
 
 
-def repeat_floor(prefill_seconds: float, attention_share: float, length: int, chunk_lengths: Sequence[int]) -> float:
+def repeat_floor(prefill_seconds: float, attention_share: float, length: int, chunk_lengths: Sequence[int],
+                 windows: Sequence[int | None] | None = None, shares: Sequence[float] | None = None) -> float:
     """Seconds an exact repeat-prefill needs at least: forwards of ``chunk_lengths`` tokens, each after
     the ``length`` tokens of the prefilled context, at the speeds of a prefill of ``length`` tokens
-    that took ``prefill_seconds``, ``attention_share`` of it in the attention kernel (module docstring)."""
+    that took ``prefill_seconds``, ``attention_share`` of it in the attention kernel (module docstring).
+    ``windows``: per layer, its sliding window or ``None`` (full attention; the default: every layer);
+    ``shares``: each layer's part of the attention time (default equal parts; they are normalised)."""
     if not 0.0 <= attention_share <= 1.0:
         raise ValueError(f"attention_share must be in [0, 1], got {attention_share}")
     if length < 1 or not chunk_lengths:
         raise ValueError(f"need a context (length {length}) and at least one repeat chunk")
+    windows = [None] if windows is None else list(windows)
+    shares = [1.0] * len(windows) if shares is None else list(shares)
+    if len(shares) != len(windows) or not windows or min(shares) < 0 or sum(shares) <= 0:
+        raise ValueError(f"need one non-negative share per layer, got {len(shares)} shares for {len(windows)} layers")
     tokens = sum(chunk_lengths) / length
-    pairs = attention_pairs(chunk_lengths, length) / attention_pairs([length], 0)
+    pairs = sum(s * attention_pairs(chunk_lengths, length, w) / attention_pairs([length], 0, w)
+                for s, w in zip(shares, windows)) / sum(shares)
     return prefill_seconds * ((1.0 - attention_share) * tokens + attention_share * pairs)
 
 
-def attention_seconds(fn: Callable[[], object]) -> tuple[float, float]:
-    """``(attention kernel seconds, wall seconds)`` of one call of ``fn`` under the CPU profiler."""
+def attention_calls(fn: Callable[[], object]) -> tuple[list[float], float]:
+    """``(seconds of each attention kernel call in the order they ran, wall seconds)`` of one call of
+    ``fn`` under the CPU profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         fn()
         wall = time.perf_counter() - t0
-    kernel = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ATTENTION_KERNELS) / 1e6
-    return kernel, wall
+    calls = sorted((e.time_range.start, e.self_cpu_time_total) for e in prof.events() if e.name in ATTENTION_KERNELS)
+    return [us / 1e6 for _, us in calls], wall
+
+
+def layer_shares(calls: Sequence[float], num_layers: int) -> list[float] | None:
+    """Each layer's seconds of a one-forward prefill's attention calls (one per layer, in layer order;
+    a forward of ``n`` such passes is summed layer by layer), or ``None`` when the calls do not divide
+    into ``num_layers``."""
+    if not calls or num_layers < 1 or len(calls) % num_layers:
+        return None
+    return [sum(calls[i::num_layers]) for i in range(num_layers)]

@@ -196,16 +196,18 @@ def compaction_time_markdown(rows: list[dict], threads: int = 1) -> str:
 LONG_CONTEXT_COLUMNS = (
     ("statistics pass s", "reference_pass", "s"), ("post s", "post", "s"), ("merge", "merge", "s"),
     ("beta fit", "beta_fit", "s"), ("C_v fit", "value_fit", "s"), ("post / pass", "post", "per pass"),
-    ("post growth", "post", "growth"), ("post MiB", "post_mib", "MiB"), ("MiB growth", "post_mib", "growth"),
+    ("post growth", "post", "growth"), ("post MiB", "post_tensor_mib", "MiB"),
+    ("MiB growth", "post_tensor_mib", "growth"),
     ("unchunked post s", "post_unchunked", "s"), ("unchunked growth", "post_unchunked", "growth"),
-    ("unchunked MiB", "post_unchunked_mib", "MiB"), ("OMP-fast s", "am-omp-fast/total", "s"),
+    ("unchunked MiB", "post_unchunked_tensor_mib", "MiB"), ("OMP-fast s", "am-omp-fast/total", "s"),
 )
 
 
 def long_context_markdown(rows: list[dict], ratio: float = 0.1) -> str:
     """The newest synthetic sweep of ``bench_compaction.py`` at keep ``ratio``: per length, the
     statistics pass and the work after it (post, with merge and the two fits), post / pass, post's
-    growth per doubling, its peak memory, the same post without chunks and OMP-fast while it ran
+    growth per doubling, its peak memory (the bytes it holds at once; for a run before 2026-12-04 its
+    resident-set peak), the same post without chunks and OMP-fast while it ran
     (:func:`~arckv_press.bench.bench_compaction.last_synthetic_run`)."""
     from .bench_compaction import last_synthetic_run
 
@@ -215,7 +217,11 @@ def long_context_markdown(rows: list[dict], ratio: float = 0.1) -> str:
              "|---|" + "---:|" * len(LONG_CONTEXT_COLUMNS)]
 
     def value(T: int, stage: str) -> float | None:
-        return by_length.get(T, {}).get(stage if "/" in stage else f"arckv-ha/{stage}")
+        row = by_length.get(T, {})
+        key = stage if "/" in stage else f"arckv-ha/{stage}"
+        if key not in row and key.endswith("_tensor_mib"):  # a run before 2026-12-04: its resident-set peak
+            key = key.replace("_tensor_mib", "_mib")
+        return row.get(key)
 
     def cell(T: int, stage: str, kind: str) -> str:
         x = value(T, stage)
