@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from arckv_press.bench.memory import PeakRSS, PeakTensorMemory, malloc_in_use
+from arckv_press.bench.memory import PeakRSS, PeakHeldMemory, malloc_in_use
 
 MB = 2**20
 needs_mallinfo = pytest.mark.skipif(malloc_in_use() is None, reason="no glibc mallinfo2 here")
@@ -14,7 +14,7 @@ needs_mallinfo = pytest.mark.skipif(malloc_in_use() is None, reason="no glibc ma
 
 @needs_mallinfo
 def test_tensor_peak_is_the_largest_sum_of_held_tensor_bytes():
-    with PeakTensorMemory() as mem:
+    with PeakHeldMemory() as mem:
         a = torch.ones(8 * MB // 4)
         b = torch.ones(4 * MB // 4)      # a + b held: 12 MiB
         time.sleep(0.02)
@@ -33,7 +33,7 @@ def test_freed_memory_the_allocator_keeps_does_not_count():
     """Resident pages left by an earlier step do not lower or raise the next step's figure."""
     x = torch.ones(32 * MB // 4)
     del x
-    with PeakTensorMemory() as mem:
+    with PeakHeldMemory() as mem:
         y = torch.ones(4 * MB // 4)
         time.sleep(0.02)
     assert 3 < mem.peak_mib < 5
@@ -42,7 +42,7 @@ def test_freed_memory_the_allocator_keeps_does_not_count():
 
 def test_tensor_peak_of_an_in_place_step_is_not_the_tensor():
     x = torch.ones(4 * MB // 4)
-    with PeakTensorMemory() as mem:
+    with PeakHeldMemory() as mem:
         x.add_(1)  # in place: no other 4 MiB
         time.sleep(0.01)
     assert 0 <= mem.peak_mib < 1

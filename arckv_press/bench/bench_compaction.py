@@ -37,8 +37,8 @@ Synthetic part: the default ARC-KV pipeline on random ``K, V [H, T, D]`` and one
 query head and position (``Q [H, G, T, D]``, H = 3, G = 3, D = 64): the statistics pass
 (``reference_pass``, which the repeat-prefill does on a model) and everything after it
 (``post``: top-t, witnesses, merging, fits; chunk by chunk above the default ``chunk_min_length``)
-with the peak bytes of the tensors it holds at once (``post_tensor_mib``, MiB in the ``seconds`` column,
-from a second, untimed run: the bytes ``malloc`` holds, sampled, :class:`~arckv_press.bench.memory.PeakTensorMemory`),
+with the peak bytes it holds at once, tensors mostly (``post_tensor_mib``, MiB in the ``seconds`` column,
+from a second, untimed run: the bytes ``malloc`` holds, sampled, :class:`~arckv_press.bench.memory.PeakHeldMemory`),
 the same post without chunks up to ``--unchunked-max-T`` (``post_unchunked``,
 ``post_unchunked_tensor_mib``), against
 ``am_compact(..., "omp-fast")`` on n = max(``--queries`` (2048), 2 t) rows, T from 1024 up to
@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 
 from arckv_press.bench import ROOT
-from arckv_press.bench.memory import PeakRSS, PeakTensorMemory, harness_free_peak_mib
+from arckv_press.bench.memory import PeakRSS, PeakHeldMemory, harness_free_peak_mib
 from arckv_press.methods import COMPACTION_METHODS
 from arckv_press.runinfo import (
     CurrentIds,
@@ -419,8 +419,8 @@ def _reference_pass(K, V, Q4, scaling):
 
 def _post(K, V, Q4, stats, budgets, scaling, method, base_rows, merge_rows) -> dict[str, float]:
     """Everything after the statistics pass (:func:`compact_layer_from_stats`): stage seconds, ``post``
-    (its wall time) and ``post_tensor_mib``, the peak bytes of the tensors it holds at once
-    (:class:`~arckv_press.bench.memory.PeakTensorMemory`, measured in a second, untimed run)."""
+    (its wall time) and ``post_tensor_mib``, the peak bytes it holds at once, tensors mostly
+    (:class:`~arckv_press.bench.memory.PeakHeldMemory`, measured in a second, untimed run)."""
     from arckv_press.compaction.layer import compact_layer_from_stats
 
     H, G, N, D = Q4.shape
@@ -432,7 +432,7 @@ def _post(K, V, Q4, stats, budgets, scaling, method, base_rows, merge_rows) -> d
     t0 = time.perf_counter()
     timings = run().timings
     post = time.perf_counter() - t0
-    with PeakTensorMemory(K.device) as mem:
+    with PeakHeldMemory(K.device) as mem:
         run()
     return {**timings, "post": post, "post_tensor_mib": mem.peak_mib}
 

@@ -1,6 +1,6 @@
 """Peak memory of a measured step, for the benchmark scripts.
 
-- :class:`PeakTensorMemory`: the peak bytes the step allocated and still held at once, above its
+- :class:`PeakHeldMemory`: the peak bytes the step allocated and still held at once, above its
   start (tensors are most of it). On CUDA the caching allocator's own peak counter; on CPU the bytes
   glibc's ``malloc`` has handed out and not taken back (``mallinfo2``: the heap's blocks in use plus
   its ``mmap`` blocks), sampled by a thread. Unlike the resident set, freed memory the allocator
@@ -8,7 +8,7 @@
 - :class:`PeakRSS`: the process's resident set, sampled by a thread (weights, the allocator's
   retained pages and everything else the process holds included): what a user's machine sees.
 
-Where there is no ``mallinfo2`` (not glibc), :class:`PeakTensorMemory` falls back to the resident set.
+Where there is no ``mallinfo2`` (not glibc), :class:`PeakHeldMemory` falls back to the resident set.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-__all__ = ["PeakTensorMemory", "PeakRSS", "harness_free_peak_mib", "malloc_in_use"]
+__all__ = ["PeakHeldMemory", "PeakRSS", "harness_free_peak_mib", "malloc_in_use"]
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -89,7 +89,7 @@ class _Sampler:
         return False
 
 
-class PeakTensorMemory:
+class PeakHeldMemory:
     """Peak bytes allocated inside the ``with`` block and held at once, in MiB (``peak_mib``), on
     ``device`` (``cpu``, or a CUDA device: its allocator's exact peak). On CPU sampled every
     ``interval`` seconds (a buffer held for less may be missed)."""

@@ -206,9 +206,8 @@ LONG_CONTEXT_COLUMNS = (
 def long_context_markdown(rows: list[dict], ratio: float = 0.1) -> str:
     """The newest synthetic sweep of ``bench_compaction.py`` at keep ``ratio``: per length, the
     statistics pass and the work after it (post, with merge and the two fits), post / pass, post's
-    growth per doubling, its peak memory (the bytes it holds at once; for a run before 2026-12-04 its
-    resident-set peak), the same post without chunks and OMP-fast while it ran
-    (:func:`~arckv_press.bench.bench_compaction.last_synthetic_run`)."""
+    growth per doubling, its peak memory (the bytes it holds at once), the same post without chunks
+    and OMP-fast while it ran (:func:`~arckv_press.bench.bench_compaction.last_synthetic_run`)."""
     from .bench_compaction import last_synthetic_run
 
     run, by_length = last_synthetic_run(rows, ratio)
@@ -219,8 +218,6 @@ def long_context_markdown(rows: list[dict], ratio: float = 0.1) -> str:
     def value(T: int, stage: str) -> float | None:
         row = by_length.get(T, {})
         key = stage if "/" in stage else f"arckv-ha/{stage}"
-        if key not in row and key.endswith("_tensor_mib"):  # a run before 2026-12-04: its resident-set peak
-            key = key.replace("_tensor_mib", "_mib")
         return row.get(key)
 
     def cell(T: int, stage: str, kind: str) -> str:
