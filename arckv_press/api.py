@@ -213,6 +213,9 @@ def compact_prefilled(
                "report": report.__dict__},
     )
     result.report = report
+    # which document positions each head kept as anchors (-1 pads a head's row); in memory only
+    result.kept_positions = {i: res.anchors.masked_fill(~res.valid, -1) for i, res in layer_results.items()
+                             if res is not None}
     return result
 
 

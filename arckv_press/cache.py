@@ -874,6 +874,9 @@ class CompactCache(Cache):
     def __init__(self, layers: list[CacheLayerMixin], metadata: CacheMetadata | None = None):
         super().__init__(layers=layers)
         self.metadata = metadata
+        # layer -> [H, t_max] document positions of each head's anchors, -1 past its count; set by
+        # the compaction, not saved (a loaded cache has none)
+        self.kept_positions: dict[int, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- accounting
     @property

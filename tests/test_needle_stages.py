@@ -57,3 +57,88 @@ def test_swaps_and_head_report_against_the_full_cache(tiny_model, tiny_tokenizer
         assert row["q_head"] // G == h and row["kept"] == n
         torch.testing.assert_close(torch.tensor(row["needle_mass"]).double(), p[:, needle].sum(-1), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(torch.tensor(row["rel_error"]).double(), ref, atol=1e-4, rtol=1e-3)
+
+
+def test_stage_options_override_the_runs_and_merge_fit_fields():
+    from arckv_press.bench.needle_stages import STAGES, stage_options
+    from arckv_press.compaction.fit import FitConfig
+
+    evict = dict(STAGES)["evict"]
+    got = stage_options({"near_rows": True, "lambda_m": 0.5, "fit": {"b_min": 0.0, "ridge_v": 0.1}}, evict)
+    assert got == {"near_rows": True, "lambda_m": 0.0, "fit": {"b_min": -1e-6, "ridge_v": 0.1, "values": "anchor",
+                                                               "b_max": 0.0}}
+    assert stage_options({"fit": FitConfig(ridge_v=0.5)}, evict)["fit"]["ridge_v"] == 0.5
+    assert stage_options({"near_rows": True}, dict(STAGES)["+merge"]) == {"near_rows": True}
+    assert [name for name, _ in STAGES] == ["evict", "+mass", "+values", "+merge"]
+
+
+def test_kept_positions_are_the_anchors_whose_keys_and_values_an_eviction_keeps(tiny_model, tiny_tokenizer):
+    """Under the eviction stage each head's packed entries are the full cache's keys and values at
+    ``kept_positions`` with beta 0; every stage keeps the same positions; needle_kept counts them
+    as a brute-force membership test does."""
+    from transformers import DynamicCache
+
+    from arckv_press.api import compact
+    from arckv_press.bench.needle_stages import STAGES, needle_kept, stage_options
+    from arckv_press.capture import encode_document, prefill
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    text = "filler words go here and there, " * 8 + "the access code is 4711. " + "and a last line."
+    ids, P = encode_document(tok, text)
+    with torch.inference_mode():
+        full = prefill(model, ids, DynamicCache(config=model.config))
+        caches = {name: compact(model, tok, text, "arckv-ha", 0.25, **stage_options({}, stage)) for name, stage in STAGES}
+    evict = caches["evict"]
+    assert set(evict.kept_positions) == {0, 1}
+    for i, pos in evict.kept_positions.items():
+        layer = evict.layers[i]
+        K, V = full.layers[i].keys[0, :, P:], full.layers[i].values[0, :, P:]
+        start = 0
+        for h in range(K.shape[0]):
+            n = int(layer.lengths[h])
+            keep = pos[h][pos[h] >= 0]
+            assert keep.numel() == n and len(set(keep.tolist())) == n
+            torch.testing.assert_close(layer.ck[start:start + n], K[h, keep])
+            torch.testing.assert_close(layer.cv[start:start + n], V[h, keep])
+            assert layer.beta[start:start + n].abs().max() <= 1e-6
+            start += n
+        for cache in caches.values():
+            assert torch.equal(cache.kept_positions[i], pos)
+    needle = list(range(len(ids[0]) - P - 30, len(ids[0]) - P - 24))  # near the end of the document
+    counts = needle_kept(evict.kept_positions, needle)
+    for i, pos in evict.kept_positions.items():
+        assert counts[i] == [sum(p in set(row.tolist()) for p in needle) for row in pos]
+
+
+def test_stage_ladder_writes_one_row_per_stage_and_resumes(tiny_model, tmp_path, capsys):
+    """``--stages`` on a tiny model with a fact planted at depth 90%: the full cache and the four
+    stages per case, written once; a rerun skips every case already in the CSV."""
+    import json
+
+    from conftest import build_tiny_tokenizer, make_text
+
+    from arckv_press.bench import needle_stages
+    from arckv_press.runinfo import read_rows
+
+    model = tiny_model("llama", num_layers=2, seed=0)
+    model.config.eos_token_id = 2
+    model.save_pretrained(tmp_path / "model")
+    build_tiny_tokenizer().save_pretrained(tmp_path / "model")
+    articles = tmp_path / "articles.jsonl"
+    articles.write_text("".join(json.dumps({"input": make_text(2500, seed=s)}) + "\n" for s in range(2)),
+                        encoding="utf-8")
+    out = tmp_path / "stages.csv"
+    argv = ["--stages", "--model", str(tmp_path / "model"), "--articles", str(articles), "--length", "300",
+            "--seeds", "0", "1", "--depths", "0.9", "--ratio", "0.25", "--out", str(out), "--threads", "1"]
+    assert needle_stages.main(argv) == 0
+    rows = read_rows(out)
+    assert [(r["seed"], r["stage"]) for r in rows] == [(s, st) for s in ("0", "1")
+                                                       for st in ("full", "evict", "+mass", "+values", "+merge")]
+    for r in rows:
+        assert r["correct"] == str(int(r["value"] in r["answer"])) and r["depth"] == "0.9"
+        if r["stage"] != "full":
+            assert int(r["heads_all_kept"]) + int(r["heads_none_kept"]) <= int(r["heads"]) == 2 * 2
+    assert len({r["config_id"] for r in rows if r["stage"] != "full"}) == 4
+    capsys.readouterr()
+    assert needle_stages.main(argv) == 0
+    assert "(done)" in capsys.readouterr().out and len(read_rows(out)) == len(rows)

@@ -11,20 +11,41 @@ the context with a method and compares it with the full cache of the same prefil
    compact layer's output for those queries is compared with the full cache's (relative error of
    the document part), beside each KV head's number of kept entries.
 
+3. **Stages** (``--stages``, over ``--seeds`` x ``--depths``): the same anchors compacted four
+   ways, each adding one step of the method (:data:`STAGES`): plain eviction of the anchors (their
+   own keys and values, beta = 0), + the mass fit (Eq. (mass_fit)), + the value fit (Eq.
+   (value_lstsq)), + key merging (Eq. (key_merge)): the method as configured. Selection does not
+   depend on those options, so the four caches keep the same positions (checked). Each row says
+   whether the answer is right and how many of the needle's positions the compacted heads kept
+   (:func:`needle_kept`), so the step that loses a needle is the first row whose answer is wrong.
+
     python scripts/needle_stages.py --seed 4 --depth 0.9 --method arckv-ha
     python scripts/needle_stages.py --seed 4 --depth 0.9 --method arckv-ha --layer 8 --option near_rows=True
+    python scripts/needle_stages.py --stages --method arckv --length 1500 --seeds 3 4 5 --depths 0.8 0.9 0.95 \
+        --out leaderboards/studies/needle_end_stages.csv
 
-Prints only; nothing is written.
+Prints only, except ``--stages --out``, which appends one row per case and stage to a CSV
+(resumable: cases already there are skipped).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+from pathlib import Path
 
 import torch
 
-__all__ = ["value_positions", "swap_layers", "layer_sweep", "head_report", "main"]
+__all__ = ["value_positions", "swap_layers", "layer_sweep", "head_report", "STAGES", "stage_options", "needle_kept",
+           "main"]
+
+# One step of the method added per stage, on the same anchors (the options a stage sets over the run's own)
+STAGES: tuple[tuple[str, dict], ...] = (
+    ("evict", {"lambda_m": 0.0, "fit": {"values": "anchor", "b_min": -1e-6, "b_max": 0.0}}),
+    ("+mass", {"lambda_m": 0.0, "fit": {"values": "anchor"}}),
+    ("+values", {"lambda_m": 0.0}),
+    ("+merge", {}),
+)
 
 
 def value_positions(doc_ids: list[int], value_ids: list[int]) -> list[int]:
@@ -58,6 +79,29 @@ def layer_sweep(ask, n_layers: int, compacted: list[int], step: int = 3) -> dict
     return out
 
 
+def stage_options(options: dict, stage: dict) -> dict:
+    """The compaction options of one of :data:`STAGES` over a run's ``options``: the stage's values
+    win, and its ``fit`` fields update the run's ``fit`` (a dict or a ``FitConfig``)."""
+    import dataclasses
+
+    out = dict(options)
+    for name, value in stage.items():
+        if name == "fit":
+            base = out.get("fit") or {}
+            base = dataclasses.asdict(base) if dataclasses.is_dataclass(base) else dict(base)
+            out["fit"] = {**base, **value}
+        else:
+            out[name] = value
+    return out
+
+
+def needle_kept(kept_positions: dict[int, torch.Tensor], needle: list[int]) -> dict[int, list[int]]:
+    """Per compacted layer, per KV head: how many of the ``needle`` positions are among the head's
+    anchors (``CompactCache.kept_positions``, -1 padding)."""
+    want = torch.tensor(needle, dtype=torch.long)
+    return {i: [int(torch.isin(want, row[row >= 0].cpu()).sum()) for row in pos] for i, pos in kept_positions.items()}
+
+
 @torch.no_grad()
 def head_report(layer, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scaling: float, needle: list[int]) -> list[dict]:
     """Per query head: attention mass of queries ``Q [Hq, n, D]`` on the ``needle`` positions of the
@@ -79,12 +123,6 @@ def head_report(layer, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scalin
 
 
 def main(argv: list[str] | None = None) -> int:
-    from arckv_press.api import compact
-    from arckv_press.cache import new_cache
-    from arckv_press.capture import CapturedQueries, QueryCapture, decoder_layers, encode_document, prefill
-    from arckv_press.framing import question_ids
-    from arckv_press.generation import answer
-    from arckv_press.haystack import article_for_seed, load_articles, make_needle, needle_context
     from arckv_press.models import load_model
     from arckv_press.runinfo import add_option_argument
 
@@ -95,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", default="arckv-ha")
     parser.add_argument("--ratio", type=float, default=0.1)
     parser.add_argument("--layer", type=int, default=None, help="also report this layer's heads")
+    parser.add_argument("--stages", action="store_true", help="the stage ladder (STAGES) instead of the layer sweep")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="--stages: cases (default --seed)")
+    parser.add_argument("--depths", type=float, nargs="+", default=None, help="--stages: depths (default --depth)")
+    parser.add_argument("--out", type=Path, default=None, help="--stages: append rows to this CSV")
     parser.add_argument("--model", default=None)
     parser.add_argument("--articles", default=None)
     add_option_argument(parser)
@@ -102,12 +144,97 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.out is not None and not args.stages:
+        parser.error("--out writes the rows of --stages")
     model, tok = load_model(args.model)
-    needle = make_needle(args.seed, "pipeline")
-    context = needle_context(tok, article_for_seed(load_articles(args.articles), args.seed), args.length, args.depth, needle)
+    if args.stages:
+        return _stage_ladder(model, tok, args)
+    return _layer_sweep(model, tok, args)
+
+
+def _case(tok, args, seed: int, depth: float):
+    """The needle case of ``scripts/needle.py``'s pipeline framing: needle, context, ids, prefix
+    length and the needle value's document positions."""
+    from arckv_press.capture import encode_document
+    from arckv_press.haystack import article_for_seed, load_articles, make_needle, needle_context
+
+    needle = make_needle(seed, "pipeline")
+    context = needle_context(tok, article_for_seed(load_articles(args.articles), seed), args.length, depth, needle)
     ids, P = encode_document(tok, context)
     doc = ids[0, P:].tolist()
     positions = value_positions(doc, tok.encode(" " + needle.value, add_special_tokens=False)[-len(needle.value):])
+    return needle, context, ids, P, positions
+
+
+def _stage_ladder(model, tok, args) -> int:
+    from tqdm import tqdm
+
+    from arckv_press.api import compact
+    from arckv_press.cache import new_cache
+    from arckv_press.capture import prefill
+    from arckv_press.config import CompactionConfig, config_id
+    from arckv_press.generation import answer
+    from arckv_press.models import model_id
+    from arckv_press.runinfo import append_rows, read_rows, run_meta
+
+    mid = model_id(model)
+    done = {(r["model"], r["seed"], r["length"], r["depth"], r["stage"], r["config_id"])
+            for r in read_rows(args.out)} if args.out is not None else set()
+    meta = run_meta()
+    cases = [(seed, depth) for seed in (args.seeds or [args.seed]) for depth in (args.depths or [args.depth])]
+    print(f"{args.method}, keep {args.ratio:g}, {args.length} tokens, options {args.options}")
+    print(f"{'seed':>4} {'depth':>5}  " + "  ".join(f"{name:>14}" for name in ("full", *dict(STAGES))))
+    for seed, depth in tqdm(cases, desc="cases", disable=len(cases) < 2):
+        needle, context, ids, P, positions = _case(tok, args, seed, depth)
+        cells, rows, anchors = [], [], None
+        for name, stage in (("full", None), *STAGES):
+            options = stage_options(args.options, stage or {})
+            cid = "full" if stage is None else config_id(
+                CompactionConfig(method=args.method, ratio=args.ratio, **options).for_model(mid))
+            key = (mid, str(seed), str(args.length), str(depth), name, cid)
+            if key in done:
+                cells.append(f"{'(done)':>14}")
+                continue
+            with torch.inference_mode():
+                cc = prefill(model, ids, new_cache(model)) if stage is None else compact(
+                    model, tok, context, method=args.method, ratio=args.ratio, **options)
+                text = answer(model, tok, cc, needle.question, 12, needle.prefix(), context_length=ids.shape[1]).strip()
+            found = needle.value in text
+            if stage is None:
+                cells.append(f"{('OK ' if found else '-- ') + repr(text)[:11]:>14}")
+                rows.append({"model": mid, "method": "none", "ratio": 1.0, "seed": seed, "length": args.length,
+                             "depth": depth, "stage": name, "config_id": cid, "answer": text, "value": needle.value,
+                             "correct": int(found), "needle_tokens": len(positions), "heads_all_kept": "",
+                             "heads_none_kept": "", "heads": "", **meta})
+                continue
+            if anchors is None:
+                anchors = cc.kept_positions
+            elif any(not torch.equal(anchors[i], cc.kept_positions[i]) for i in anchors):
+                raise RuntimeError(f"stage {name!r} kept other positions than stage {STAGES[0][0]!r}: the stages "
+                                   "must differ only after selection")
+            kept = needle_kept(cc.kept_positions, positions)
+            heads = [n for per_layer in kept.values() for n in per_layer]
+            cells.append(f"{('OK ' if found else '-- ') + repr(text)[:11]:>14}")
+            rows.append({"model": mid, "method": args.method, "ratio": args.ratio, "seed": seed, "length": args.length,
+                         "depth": depth, "stage": name, "config_id": cid, "answer": text, "value": needle.value,
+                         "correct": int(found), "needle_tokens": len(positions),
+                         "heads_all_kept": sum(n == len(positions) for n in heads),
+                         "heads_none_kept": sum(n == 0 for n in heads), "heads": len(heads), **meta})
+        print(f"{seed:>4} {depth:>5}  " + "  ".join(cells))
+        if args.out is not None and rows:
+            append_rows(args.out, rows, list(rows[0]))
+    return 0
+
+
+def _layer_sweep(model, tok, args) -> int:
+    from arckv_press.api import compact
+    from arckv_press.cache import new_cache
+    from arckv_press.capture import CapturedQueries, QueryCapture, decoder_layers, prefill
+    from arckv_press.framing import question_ids
+    from arckv_press.generation import answer
+
+    needle, context, ids, P, positions = _case(tok, args, args.seed, args.depth)
+    doc = ids[0, P:].tolist()
     with torch.inference_mode():
         compact_cache = compact(model, tok, context, method=args.method, ratio=args.ratio, **args.options)
         full = prefill(model, ids, new_cache(model))
