@@ -48,10 +48,15 @@ __all__ = [
     "repeat_prefill_stats",
     "REPEAT_PROMPT",
     "REPEAT_CHUNK_PROMPT",
+    "TAIL_FRACTION",
 ]
 
 REPEAT_PROMPT = "\n\nRepeat the previous context verbatim."
 REPEAT_CHUNK_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+# The tail rows cover at most this share of the document: more would outweigh the copy's rows in the
+# pooled scores and move anchors off the rest of the document (chosen on development needle cases at
+# 1,000 tokens, where 512 tail rows lost needles at depths 10-50%; docs/studies/needle_end.md)
+TAIL_FRACTION = 0.25
 
 
 @dataclass
@@ -175,8 +180,11 @@ class StatsCapture:
 
     def __init__(self, model, layers: list[int], prefix_len: int, doc_len: int, selector: str = "ha",
                  pooling: str = "rms", x_positions: torch.Tensor | None = None, block: int = ReferenceStats.block,
-                 near_positions: torch.Tensor | None = None):
+                 near_positions: torch.Tensor | None = None, tail: int = 0):
         self.model, self.layers = model, list(layers)
+        # tail rows: a second, short copy of the document's last positions, read from nearby: at most
+        # ``tail`` of them and at most TAIL_FRACTION of the document
+        self.n_tail = min(check_positive_int(tail, "tail"), int(doc_len * TAIL_FRACTION)) if tail != 0 else 0
         # near rows: the copies' queries at these document positions, moved to just after the document
         self.near_positions = None if near_positions is None else _check_positions(near_positions, doc_len)
         self.n_near = 0 if self.near_positions is None else self.near_positions.numel()
@@ -279,6 +287,21 @@ class StatsCapture:
             self._append_rows(cache, idx, q_near.view(Hkv, q_near.shape[0] // Hkv, pos.numel(), -1),
                               self.doc_len)
 
+    def add_tail_rows(self, cache, tail: CapturedQueries) -> None:
+        """Append the tail rows to each layer's statistics, after the document's and the near rows:
+        the post-RoPE queries ``tail.q`` of the tail copy (:func:`repeat_prefill_stats`), a second
+        repeat of the document's last ``n_tail`` positions that sits right after the document. It
+        reads them from a few hundred positions away, as a question reads the end of the document,
+        where the whole copy reads every position from a document away; heads that read only nearby
+        text see the end of the document in these rows alone. Their statistics are over the
+        document only, as every row's (``cache`` holds the prefix and the document)."""
+        if not self.n_tail:
+            return
+        for idx in self.layers:
+            q = torch.cat(tail.q.pop(idx), dim=1)  # [Hq, n_tail, D]
+            Hkv = cache.layers[idx].keys.shape[1]
+            self._append_rows(cache, idx, q.view(Hkv, q.shape[0] // Hkv, self.n_tail, -1), self.doc_len + self.n_near)
+
     def _x_hook(self, layer_idx: int):
         def hook(module, args, kwargs):
             if self._rows is not None:
@@ -307,7 +330,7 @@ class StatsCapture:
         stats = self.stats.get(idx)
         off = c - n
         if stats is None:
-            stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len + self.n_near, self.doc_len,
+            stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len + self.n_near + self.n_tail, self.doc_len,
                                                      value.shape[-1], self.selector, self.pooling, query.device,
                                                      block=self.block)
         self._scaling[idx] = scaling
@@ -360,16 +383,20 @@ def prefill(model, input_ids: torch.Tensor, cache=None, capture: QueryCapture | 
 def repeat_chunks(tokenizer, doc_ids: torch.Tensor, suffix_ids: list[int], chunk_size: int, overlap: int = 8):
     """Yield ``(chunk_start, chunk_len, repeat_input_ids)`` for the chunked repeat-prefill."""
     T = doc_ids.shape[-1]
-    suffix = torch.tensor([suffix_ids], dtype=torch.long)
-    first = torch.tensor([tokenizer.encode(REPEAT_PROMPT, add_special_tokens=False)], dtype=torch.long)
-    later = torch.tensor([tokenizer.encode(REPEAT_CHUNK_PROMPT, add_special_tokens=False)], dtype=torch.long)
     for start in range(0, T, chunk_size):
-        chunk = doc_ids[:, start : start + chunk_size]
-        if start == 0:
-            head = first
-        else:
-            head = torch.cat([later, doc_ids[:, max(0, start - overlap) : start]], dim=1)
-        yield start, chunk.shape[-1], torch.cat([head, suffix, chunk], dim=1)
+        yield repeat_span(tokenizer, doc_ids, suffix_ids, start, min(T, start + chunk_size), overlap)
+
+
+def repeat_span(tokenizer, doc_ids: torch.Tensor, suffix_ids: list[int], start: int, end: int, overlap: int = 8):
+    """``(start, end - start, repeat_input_ids)``: the instruction to repeat the document from
+    ``start`` (the whole context's instruction at 0, else "starting with" the ``overlap`` tokens
+    before ``start``), the suffix, then document tokens ``start .. end - 1``."""
+    suffix = torch.tensor([suffix_ids], dtype=torch.long)
+    prompt = REPEAT_PROMPT if start == 0 else REPEAT_CHUNK_PROMPT
+    head = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)], dtype=torch.long)
+    if start > 0:
+        head = torch.cat([head, doc_ids[:, max(0, start - overlap) : start]], dim=1)
+    return start, end - start, torch.cat([head, suffix, doc_ids[:, start:end]], dim=1)
 
 
 def repeat_prefill(
@@ -420,6 +447,7 @@ def repeat_prefill_stats(
     progress=None,
     block: int = ReferenceStats.block,
     near_positions: torch.Tensor | None = None,
+    tail_rows: int = 0,
 ) -> StatsCapture:
     """The repeat-prefill of :func:`repeat_prefill` capturing every document position, with the
     reference statistics of :mod:`arckv_press.compaction.stats` gathered by the forward's own
@@ -428,37 +456,50 @@ def repeat_prefill_stats(
     ``q_proj`` inputs at ``x_positions``), rows in position order. ``block``: query rows per block
     of the statistics (:class:`~arckv_press.compaction.stats.ReferenceStats`' default).
     ``near_positions``: the near rows (:meth:`StatsCapture.add_near_rows`), rows ``T ..`` after the
-    document's."""
+    document's. ``tail_rows``: the tail rows (:meth:`StatsCapture.add_tail_rows`), after those: one
+    more forward repeats the document's last ``min(tail_rows, T * TAIL_FRACTION)`` tokens
+    (:func:`repeat_span`)."""
     if cache.get_seq_length() != prefix_len + doc_ids.shape[-1]:
         raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, expected prefix {prefix_len} + "
                          f"document {doc_ids.shape[-1]}")
     cap = StatsCapture(model, layers, prefix_len, doc_ids.shape[-1], selector, pooling, x_positions, block,
-                       near_positions)
+                       near_positions, tail_rows)
+    tail = CapturedQueries()
     with cap:
-        def forward(start: int, n: int, ids: torch.Tensor) -> None:
+        def forward(start: int, n: int, ids: torch.Tensor, is_tail: bool = False) -> None:
+            if is_tail:  # the model's own attention; its queries only are kept
+                with QueryCapture(model, layers, tail) as qc:
+                    prefill(model, ids, cache, qc, rows=torch.arange(ids.shape[-1] - n, ids.shape[-1]))
+                return
             cap.expect(start, n)
             prefill(model, ids, cache)
             cap._rows = None
 
-        _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward)
+        _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward, cap.n_tail)
     cap.add_near_rows(cache)
+    cap.add_tail_rows(cache, tail)
     for stats in cap.stats.values():
         stats.result()
     return cap
 
 
-def _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward) -> None:
-    """Run ``forward(start, n, ids)`` for each repeat chunk on ``cache``, restoring it after each."""
+def _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward, tail: int = 0) -> None:
+    """Run ``forward(start, n, ids)`` for each repeat chunk on ``cache``, restoring it after each; with
+    ``tail``, then ``forward(T - tail, tail, ids, True)`` for the repeat of the last ``tail`` tokens."""
     if doc_ids.ndim != 2 or doc_ids.shape[0] != 1:
         raise ValueError(f"repeat-prefill supports batch size 1 only, got doc_ids of shape {tuple(doc_ids.shape)}")
     chunks = list(repeat_chunks(tokenizer, doc_ids.cpu(), suffix_ids, chunk_size))
+    T = doc_ids.shape[-1]
+    spans = [(*chunk, False) for chunk in chunks]
+    if tail:
+        spans.append((*repeat_span(tokenizer, doc_ids.cpu(), suffix_ids, T - tail, T), True))
     _warn_past_window(model, cache.get_seq_length() + max(ids.shape[-1] for _, _, ids in chunks), chunk_size)
     snapshot = cache_snapshot(cache)  # restoring it also undoes what a sliding-window layer dropped
     try:
-        for start, n, ids in chunks:
-            forward(start, n, ids)
+        for start, n, ids, is_tail in spans:
+            forward(start, n, ids, *([True] if is_tail else []))
             restore_cache(cache, snapshot)
-            if progress is not None:
+            if progress is not None and not is_tail:
                 progress.update(n)
     finally:
         restore_cache(cache, snapshot)

@@ -31,15 +31,21 @@ def _load(args):
 
 
 # argparse types: a bad number is refused with the flag's name before anything is loaded
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
+def positive_int(text: str, least: int = 1) -> int:
+    """An integer >= ``least`` (1)."""
+    kind = "a positive integer" if least == 1 else f"an integer >= {least}"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {value}")
+        raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {kind} (>= {least}), got {value}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    return positive_int(text, 0)
 
 
 def kept_fraction(text: str) -> float:
@@ -96,7 +102,7 @@ def cmd_compact(args) -> int:
     text = check_document_text(_read_text(args.file), f"text of {args.file}")
     out = check_output_path(Path(args.output or f"{args.file}.arckv"))
     options = {k: v for k, v in (("lambda_m", args.lambda_m), ("min_head_fraction", args.min_head_fraction),
-                                 ("anchor_search", args.anchor_search)) if v is not None}
+                                 ("anchor_search", args.anchor_search), ("tail_rows", args.tail_rows)) if v is not None}
     CompactionConfig(method=args.method, ratio=args.ratio, **options)  # validates the options
     model, tok = _load(args)
     t0 = time.perf_counter()
@@ -211,14 +217,20 @@ def build_parser() -> argparse.ArgumentParser:
         own = f"; models with their own schedule: {', '.join(MODEL_RATIO_SCHEDULES)}"
         if len(set(values)) == 1:
             return f"{values[0]} at every kept fraction{own}"
-        return "by kept fraction, " + ", ".join(f"{v} at ratio >= {step.lowest:g}" if step.lowest > 0 else f"{v} below"
-                                                for v, step in zip(values, RATIO_SCHEDULE)) + own
+        runs = []  # (value, lowest kept fraction) of each run of steps with the same value, largest first
+        for v, step in zip(values, RATIO_SCHEDULE):
+            runs = runs[:-1] + [(v, step.lowest)] if runs and runs[-1][0] == v else runs + [(v, step.lowest)]
+        return "by kept fraction, " + ", ".join(f"{v} at ratio >= {lowest:g}" if lowest > 0 else f"{v} below"
+                                                for v, lowest in runs) + own
 
     p.add_argument("--lambda-m", type=unit_fraction, default=None,
                    help=f"ARC-KV key-merging coefficient (default: {schedule('lambda_m')})")
     p.add_argument("--anchor-search", default=None, choices=list(ANCHOR_SEARCHES),
                    help=f"ARC-KV: top-t of the anchor scores or Attention Matching's OMP search (default: "
                         f"{schedule('anchor_search')})")
+    p.add_argument("--tail-rows", type=non_negative_int, default=None,
+                   help="ARC-KV: the document's last tokens repeated once more after it, as reference rows that read the "
+                        f"end from nearby (at most a quarter of the document; 0 = none; default: {schedule('tail_rows')})")
     p.add_argument("--min-head-fraction", type=unit_fraction, default=None,
                    help=f"ARC-KV: share of its uniform budget every layer-head keeps (default {defaults.min_head_fraction}; "
                         "0 = fully global, 1 = uniform budgets)")

@@ -31,19 +31,26 @@ MIN_LENGTH = 16  # the shortest document (tokens) a compaction accepts
 class RatioDefaults:
     """ARC-KV's defaults from kept fraction ``lowest`` down to the next step of :data:`RATIO_SCHEDULE`:
     the key-merging coefficient ``lambda_m`` of Eq. (key_merge) and how anchors are found
-    (``anchor_search``, :class:`~arckv_press.compaction.layer.LayerMethod`)."""
+    (``anchor_search``, :class:`~arckv_press.compaction.layer.LayerMethod`), and the reference pass's
+    tail rows (``tail_rows``, :class:`CompactionConfig`)."""
 
     lowest: float
     lambda_m: float
     anchor_search: str
+    tail_rows: int = 0
 
 
 # Steps, largest kept fraction first. Chosen on the development split of the fidelity benchmark (never
 # on the documents the leaderboards report; docs/methodology.md): from keep 5% up, the top-t of the
 # selector's scores (they keep planted needles); below it, where a head keeps a handful of anchors and
 # no selector keeps needles, Attention Matching's OMP search on the budget rows, which picks anchors
-# that together fit every row's attention mass, then ARC-KV's merging and fits.
-RATIO_SCHEDULE: tuple[RatioDefaults, ...] = (RatioDefaults(0.05, 0.25, "scores"), RatioDefaults(0.0, 0.25, "omp"))
+# that together fit every row's attention mass, then ARC-KV's merging and fits. From keep 10% up the
+# top-t's scores also pool 512 tail rows, chosen on development needle cases (docs/studies/needle_end.md):
+# without them, heads that read only nearby text never see the end of the document in the reference
+# pass, and needles there are lost; at keep 5% they raised the development split's mean continuation
+# damage by 0.025, so below keep 10% there are none.
+RATIO_SCHEDULE: tuple[RatioDefaults, ...] = (RatioDefaults(0.1, 0.25, "scores", 512), RatioDefaults(0.05, 0.25, "scores"),
+                                             RatioDefaults(0.0, 0.25, "omp"))
 
 
 # Models whose own development data chose another schedule (``docs/studies/gemma3.md``). Gemma 3 270M,
@@ -121,6 +128,16 @@ class CompactionConfig:
             picked for a planted needle by its few sharp rows are missed).
         anchor_search: ``None`` (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio``
             (``"scores"`` at keep 5% and above, ``"omp"`` below).
+        tail_rows: the reference pass repeats the document's last ``tail_rows`` tokens once more,
+            right after the document (:func:`~arckv_press.capture.repeat_prefill_stats`), and their
+            queries are reference rows too, after the copy's (and the near rows): all of them in
+            the anchor scores and the witnesses, those of the budget positions in the merge and fit
+            rows. The whole copy reads every position from a document away; a question reads the end
+            of the document from nearby, and heads that read only nearby text (whose copy rows
+            attend to the copy itself) see the end in these rows alone. At most a quarter of the
+            document is repeated (:data:`~arckv_press.capture.TAIL_FRACTION`). ``0``: off; ``None``
+            (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio`` (512 at keep 10% and above,
+            0 below; Gemma 3's schedule: 0).
         near_rows: every repeated copy's query, moved by its rotary embedding from
             where the copy sits (a document after the original) to a position right after the
             document, where a question's tokens sit (the instruction's positions, in turn;
@@ -149,6 +166,7 @@ class CompactionConfig:
     indexer_rows: int | str = 512
     anchor_search: str | None = None
     near_rows: bool = False
+    tail_rows: int | None = None
 
     def __post_init__(self) -> None:
         lookup_method(self.method, ours=True)
@@ -180,6 +198,10 @@ class CompactionConfig:
             raise ValueError(f"merge_rows must be a positive int or None, got {self.merge_rows!r}")
         if not isinstance(self.near_rows, bool):
             raise TypeError(f"near_rows must be a bool, got {type(self.near_rows).__name__}")
+        if self.tail_rows is not None and (isinstance(self.tail_rows, bool) or not isinstance(self.tail_rows, int)):
+            raise TypeError(f"tail_rows must be an int or None, got {type(self.tail_rows).__name__}")
+        if self.tail_rows is not None and self.tail_rows < 0:
+            raise ValueError(f"tail_rows must be >= 0 (0: off), got {self.tail_rows}")
         self.layer_method()  # validates lambda_m now, not after the prefill and repeat-prefill
 
     @property
@@ -201,13 +223,19 @@ class CompactionConfig:
         """``anchor_search`` as used at this config's kept fraction (the schedule's when ``None``)."""
         return ratio_defaults(self.ratio).anchor_search if self.anchor_search is None else self.anchor_search
 
+    def tail_rows_used(self) -> int:
+        """``tail_rows`` as used at this config's kept fraction (the schedule's when ``None``)."""
+        return ratio_defaults(self.ratio).tail_rows if self.tail_rows is None else self.tail_rows
+
     def for_model(self, model_id: str | None) -> "CompactionConfig":
-        """This config with ``lambda_m`` and ``anchor_search`` set where they are ``None``, to model
-        ``model_id``'s defaults at ``ratio`` (:func:`ratio_defaults`). A compaction runs the config
-        resolved for its model, and results store that config's id; given values are kept."""
+        """This config with ``lambda_m``, ``anchor_search`` and ``tail_rows`` set where they are
+        ``None``, to model ``model_id``'s defaults at ``ratio`` (:func:`ratio_defaults`). A compaction
+        runs the config resolved for its model, and results store that config's id; given values
+        are kept."""
         step = ratio_defaults(self.ratio, model_id)
         return dataclasses.replace(self, lambda_m=step.lambda_m if self.lambda_m is None else self.lambda_m,
-                                   anchor_search=step.anchor_search if self.anchor_search is None else self.anchor_search)
+                                   anchor_search=step.anchor_search if self.anchor_search is None else self.anchor_search,
+                                   tail_rows=step.tail_rows if self.tail_rows is None else self.tail_rows)
 
     def layer_method(self) -> LayerMethod:
         return LayerMethod(self.method, self.merging_coefficient(), self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
@@ -217,7 +245,7 @@ class CompactionConfig:
 _RUN_ONLY_FIELDS = ("ratio", "indexer")  # never change a result (the indexer has its own id)
 _INDEXER_ONLY_FIELDS = ("indexer_rows",)  # options only the learned indexer's method reads
 _ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "allocation", "min_head_fraction", "merge_rows", "anchor_search",
-                      "near_rows")
+                      "near_rows", "tail_rows")
 _ARCKV_ONLY_FIT_FIELDS = ("scope", "witnesses")
 SCORE_SHRINK = 0.1  # ``shrink`` of corrected_scores when indexer_rows is a row count
 
@@ -240,9 +268,9 @@ def config_id(config: CompactionConfig) -> str:
     """Short content id (12 hex digits) of the options that shape a compaction's result.
 
     Covers every :class:`CompactionConfig` field (and :class:`FitConfig`) except the kept fraction,
-    with ``lambda_m`` and ``anchor_search`` as used at that kept fraction (so the default schedule and
-    the same values given explicitly share an id, and the id changes where the schedule does), and
-    the indexer (which has its own id, :func:`arckv_press.indexer.checkpoint.checkpoint_id`); for
+    with ``lambda_m``, ``anchor_search`` and ``tail_rows`` as used at that kept fraction (so the default
+    schedule and the same values given explicitly share an id, and the id changes where the schedule
+    does), and the indexer (which has its own id, :func:`arckv_press.indexer.checkpoint.checkpoint_id`); for
     Attention Matching methods also except the ARC-KV-only options they ignore (merging, budgets,
     the fits' scope and witnesses). Benchmark rows store it, so a result made under other defaults
     (say a new ``min_head_fraction``) is never taken for a current one, while unrelated default
@@ -255,6 +283,8 @@ def config_id(config: CompactionConfig) -> str:
         options["lambda_m"] = _canonical(float(config.merging_coefficient()))
     if "anchor_search" in options:
         options["anchor_search"] = config.anchor_search_used()  # resolved from the schedule where it decides
+    if "tail_rows" in options:
+        options["tail_rows"] = config.tail_rows_used()
     if config.family == "am":
         for name in ("gram_dtype", *_ARCKV_ONLY_FIT_FIELDS):  # AM always forms float64 products; no merge groups
             options["fit"].pop(name)

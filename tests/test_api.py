@@ -197,11 +197,38 @@ def _three_layer_reference(tiny_model, tiny_tokenizer):
     return model, tok, text, describe_attention_layout(model), T, K, V, store
 
 
+def _tail_queries(model, tok, text, n: int) -> list[torch.Tensor]:
+    """Per layer, the post-RoPE queries ``[Hq, n, D]`` of the tail repeat: the instruction to repeat
+    "starting with" the 8 tokens before the document's last ``n``, the suffix, those ``n`` tokens,
+    fed after the whole context (the model's hidden states, ``input_layernorm``, ``q_proj``, RoPE)."""
+    from arckv_press.capture import REPEAT_CHUNK_PROMPT
+
+    ids, _, P = kvpress_ids(tok, text, "?")
+    doc, T = ids[:, P:], ids.shape[1] - P
+    span = torch.cat([torch.tensor([tok.encode(REPEAT_CHUNK_PROMPT, add_special_tokens=False)]),
+                      doc[:, T - n - 8:T - n], torch.tensor([framing_for(tok).suffix_ids]), doc[:, T - n:]], 1)
+    with torch.no_grad():
+        cache = prefill(model, ids, DynamicCache(config=model.config))
+        out = model.model(input_ids=span, past_key_values=cache, output_hidden_states=True)
+        positions = torch.arange(ids.shape[1], ids.shape[1] + span.shape[1])[None]
+        qs = []
+        for i, layer in enumerate(model.model.layers):
+            h = layer.input_layernorm(out.hidden_states[i])
+            q = layer.self_attn.q_proj(h).view(1, span.shape[1], -1, layer.self_attn.head_dim).transpose(1, 2)
+            cos, sin = model.model.rotary_emb(h, positions)
+            rot = torch.cat([-q[..., q.shape[-1] // 2:], q[..., : q.shape[-1] // 2]], -1)
+            qs.append((q * cos[:, None] + rot * sin[:, None])[0, :, -n:])
+    return qs
+
+
 def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
     """The default fused pipeline against a brute-force reference from the separately captured
-    queries: HA scores from every position, the global allocation (floor and cap), and per KV head
-    the fits on the budget rows plus its own anchors' witness rows (argmax of the attention
-    probability; ties to the lowest position, then query head), with targets recomputed from K."""
+    queries: HA scores from every row (the copy's, then the tail repeat's of the last quarter of
+    the document), the global allocation (floor and cap), and per KV head the fits on the budget
+    rows (their copy rows and, in the tail, their tail rows) plus its own anchors' witness rows
+    (argmax of the attention probability; ties to the lowest row, then query head), with targets
+    recomputed from K."""
+    from arckv_press.capture import TAIL_FRACTION
     from arckv_press.compaction.merge import merge_keys
     from arckv_press.compaction.select import global_budgets
 
@@ -211,9 +238,14 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
     with torch.no_grad():
         cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3)
     assert config.merge_rows >= 40  # merging on all budget rows here
+    n = int(T * TAIL_FRACTION)  # the default's 512 tail rows, at most a quarter of the document
+    assert config.tail_rows_used() == 512 and n > 0
+    tail = _tail_queries(model, tok, text, n)
+    N = T + n
     budget_pos = reference_positions(T, G, config)
-    base = [g * T + p for g in range(G) for p in budget_pos.tolist()]
-    Qs = [group_queries_by_kv_head(store.layer(i)[1][None], H).double() for i in range(3)]
+    rows_of = budget_pos.tolist() + [T + p - (T - n) for p in budget_pos.tolist() if p >= T - n]
+    base = [g * N + r for g in range(G) for r in rows_of]
+    Qs = [group_queries_by_kv_head(torch.cat([store.layer(i)[1], tail[i]], 1)[None], H).double() for i in range(3)]
     probs = [torch.softmax(Qs[i] @ K[i].double().transpose(1, 2) * layout.scaling, dim=-1) for i in range(3)]
     scores = torch.stack([p.pow(2).mean(dim=1).sqrt() for p in probs]).float()
     budgets = global_budgets(scores, 0.2, min_fraction=config.min_head_fraction)
@@ -228,7 +260,7 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
             witness = []
             for j in anchors.tolist():
                 col = probs[i][h, :, j]
-                best = max(range(G * T), key=lambda r: (float(col[r]), -(r % T), -(r // T)))
+                best = max(range(G * N), key=lambda r: (float(col[r]), -(r % N), -(r // N)))
                 witness.append(best)
             rows = base + sorted(set(witness) - set(base))
             n_fit = max(n_fit, len(rows))
@@ -486,16 +518,21 @@ def test_config_id_covers_the_options_that_shape_a_result():
         return config_id(CompactionConfig(**kw))
 
     base = cid(method="arckv-ha")
-    assert base == cid(method="arckv-ha", ratio=0.05) and len(base) == 12
+    assert base == cid(method="arckv-ha", ratio=0.3) and len(base) == 12
+    # keep 5%: the same but for the tail rows (none below keep 10%)
+    assert cid(method="arckv-ha", ratio=0.05) == cid(method="arckv-ha", tail_rows=0) != base
     # the kept fraction counts only through the schedule: the id is that of the lambda_m / anchor search used
     assert base == cid(method="arckv-ha", lambda_m=0.25) == cid(method="arckv-ha", ratio=0.3, lambda_m=0.25)
-    assert base == cid(method="arckv-ha", anchor_search="scores") == cid(method="arckv-ha", ratio=0.01, anchor_search="scores")
+    assert base == cid(method="arckv-ha", anchor_search="scores", tail_rows=512) == cid(
+        method="arckv-ha", ratio=0.01, anchor_search="scores", tail_rows=512)
     low = cid(method="arckv-ha", ratio=0.02)
-    assert low == cid(method="arckv-ha", ratio=0.01) == cid(method="arckv-ha", anchor_search="omp") != base
-    assert cid(method="arckv-ha", ratio=0.01, lambda_m=1.0) == cid(method="arckv-ha", lambda_m=1.0, anchor_search="omp") != low
+    assert low == cid(method="arckv-ha", ratio=0.01) == cid(method="arckv-ha", anchor_search="omp", tail_rows=0) != base
+    assert cid(method="arckv-ha", ratio=0.01, anchor_search="scores") not in (base, low)  # the low step's tail_rows
+    assert cid(method="arckv-ha", ratio=0.01, lambda_m=1.0) == cid(method="arckv-ha", lambda_m=1.0, anchor_search="omp",
+                                                                   tail_rows=0) != low
     for change in (dict(min_head_fraction=0.25), dict(lambda_m=0.0), dict(fit={"witnesses": False}), dict(seed=1),
                    dict(query_budget=512), dict(allocation="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
-                   dict(budget_weights=torch.ones(3, 2)), dict(merge_rows=None), dict(near_rows=True),
+                   dict(budget_weights=torch.ones(3, 2)), dict(merge_rows=None), dict(near_rows=True), dict(tail_rows=0),
                    dict(fit=FitConfig(gram_dtype="float64")), dict(fit={"scope": "all"})):
         assert cid(method="arckv-ha", **change) != base, change
     assert cid(method="arckv-vi") != base
@@ -552,6 +589,8 @@ def test_ratio_schedule_gives_the_defaults_and_explicit_options_win():
     for ratio, search in ((1.0, "scores"), (0.1, "scores"), (0.05, "scores"), (0.0499, "omp"), (0.02, "omp"),
                           (0.01, "omp"), (1e-6, "omp")):
         assert ratio_defaults(ratio).anchor_search == search and ratio_defaults(ratio).lambda_m == 0.25, ratio
+        assert ratio_defaults(ratio).tail_rows == CompactionConfig(ratio=ratio).tail_rows_used() == (
+            512 if ratio >= 0.1 else 0), ratio
         config = CompactionConfig(method="arckv-ha", ratio=ratio)
         assert config.merging_coefficient() == config.layer_method().lambda_m == 0.25
         assert config.anchor_search_used() == config.layer_method().anchor_search == search
@@ -578,10 +617,13 @@ def test_a_models_own_schedule_resolves_its_defaults_and_keeps_given_options():
         gemma = base.for_model(GEMMA3_MODEL_ID)
         step = ratio_defaults(ratio, GEMMA3_MODEL_ID)
         assert (gemma.lambda_m, gemma.anchor_search) == (0.25, "omp") == (step.lambda_m, step.anchor_search)
-        assert config_id(gemma) == config_id(CompactionConfig(method="arckv-ha", ratio=ratio, anchor_search="omp"))
+        assert gemma.tail_rows == step.tail_rows == 0
+        assert config_id(gemma) == config_id(CompactionConfig(method="arckv-ha", ratio=ratio, anchor_search="omp",
+                                                              tail_rows=0))
         mine = base.for_model(DEFAULT_MODEL_ID)
         assert config_id(mine) == config_id(base) and mine.fit == base.fit
         assert (mine.lambda_m, mine.anchor_search) == (0.25, ratio_defaults(ratio).anchor_search)
+        assert mine.tail_rows == ratio_defaults(ratio).tail_rows == (512 if ratio >= 0.1 else 0)
     given = CompactionConfig(method="arckv-ha", ratio=0.1, lambda_m=0.5, anchor_search="scores").for_model(GEMMA3_MODEL_ID)
     assert (given.lambda_m, given.anchor_search) == (0.5, "scores")
 
@@ -596,7 +638,7 @@ def test_compaction_runs_its_models_schedule(tiny_model, tiny_tokenizer, monkeyp
     text = make_text(70, seed=2)
     with torch.no_grad():
         default = compact(model, tok, text, "arckv-ha", 0.25, query_budget=64)
-        explicit = compact(model, tok, text, "arckv-ha", 0.25, query_budget=64, anchor_search="omp")
+        explicit = compact(model, tok, text, "arckv-ha", 0.25, query_budget=64, anchor_search="omp", tail_rows=0)
         monkeypatch.setattr(model.config, MODEL_ID_ATTR, GEMMA3_MODEL_ID, raising=False)
         scheduled = compact(model, tok, text, "arckv-ha", 0.25, query_budget=64)
     ids = [c.metadata.extra["config_id"] for c in (scheduled, explicit, default)]
@@ -661,6 +703,7 @@ def test_corrected_indexer_rows_estimate_all_rows_from_the_budget_rows(tiny_mode
     the paper's form (HA at the model's scale); max pooling and a residual base at another scale than
     the model's are refused."""
     import arckv_press.api as api_mod
+    from arckv_press.capture import TAIL_FRACTION
     from arckv_press.compaction.select import corrected_scores, ha_scores
     from arckv_press.indexer.model import IndexerConfig, ValueAwareIndexer
 
@@ -699,7 +742,8 @@ def test_corrected_indexer_rows_estimate_all_rows_from_the_budget_rows(tiny_mode
         for layer, ((full_base, sample, sample_base, pooling, shrink, fraction), out) in enumerate(seen):
             X, Q, K, V = captured[layer]
             assert Q.shape[1] == 24 // G * G and pooling == "rms"  # indexer_rows of the 48 budget rows
-            assert shrink == 0.1 and fraction == Q.shape[1] / (G * K.shape[1])  # of every captured row
+            T = K.shape[1]  # of every captured row: the copy's and the tail repeat's (a quarter of the document)
+            assert shrink == 0.1 and fraction == Q.shape[1] / (G * (T + int(T * TAIL_FRACTION)))
             torch.testing.assert_close(sample_base, ha_scores(Q, K, scaling), rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(sample, real_scores(form, layer, X, Q, K, V), rtol=1e-5, atol=1e-7)
             assert full_base.shape == sample.shape and not torch.allclose(full_base, sample_base)
@@ -715,7 +759,8 @@ def test_corrected_indexer_rows_estimate_all_rows_from_the_budget_rows(tiny_mode
 
 def test_omp_anchor_search_takes_the_am_search_on_the_budget_rows(tiny_model, tiny_tokenizer, monkeypatch):
     """``anchor_search="omp-fast"``: each layer's anchors are Attention Matching's OMP-fast choice on
-    that layer's budget rows (all query heads of the budget positions) with the allocated budgets,
+    that layer's budget rows (all query heads of the budget positions' copy and tail rows) with the
+    allocated budgets,
     then merged and fitted as usual; the default (top-t of the scores) gives another cache, and the
     option has its own config id while the default's id is unchanged."""
     import arckv_press.compaction.layer as layer_mod
@@ -738,8 +783,11 @@ def test_omp_anchor_search_takes_the_am_search_on_the_budget_rows(tiny_model, ti
     config = CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3)
     budget_pos = reference_positions(T, G, config)
     assert len(calls) == 3
+    from arckv_press.capture import TAIL_FRACTION
+
+    in_tail = int((budget_pos >= T - int(T * TAIL_FRACTION)).sum())  # their tail rows are budget rows too
     for (n_rows, budgets, valid, cfg), layer in zip(calls, cache.compact_layers):
-        assert n_rows == G * budget_pos.numel() and cfg is AM_OMP_FAST
+        assert n_rows == G * (budget_pos.numel() + in_tail) and cfg is AM_OMP_FAST
         assert layer.lengths.tolist() == valid.sum(-1).tolist() == budgets.tolist()
     assert any(not torch.equal(a.ck, b.ck) for a, b in zip(cache.compact_layers, default.compact_layers))
     assert config_id(config) == config_id(CompactionConfig(method="arckv-ha", ratio=0.2, query_budget=40, seed=3,

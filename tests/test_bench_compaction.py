@@ -204,6 +204,16 @@ def test_repeat_floor_of_a_hybrid_model_counts_each_layer_in_its_window():
     import torch
 
     q = torch.randn(1, 2, 64, 16)
-    calls, wall = attention_calls(lambda: [torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-                                           for _ in range(3)])
+    mask = torch.ones(64, 64, dtype=torch.bool).tril()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls, causal, wall = attention_calls(lambda: [sdpa(q, q, q, is_causal=True), sdpa(q, q, q, attn_mask=mask),
+                                                   sdpa(q.double(), q.double(), q.double(), is_causal=True)])
     assert len(calls) == 3 and all(c >= 0 for c in calls) and sum(calls) <= wall
+    assert causal == [True, False, True]  # read from each call's recorded is_causal argument
+    # a layer whose prefill kernel ran with a mask computed the whole L x L square: its pairs per token
+    # needed again are that many fewer (the pair ratio against L * L, brute force above)
+    masked = brute(chunks, L, W) / (L * L)
+    assert repeat_floor(3.0, a, L, chunks, [None, W], [1.0, 3.0], [True, False]) == pytest.approx(
+        3.0 * ((1 - a) * tokens + a * (0.25 * full + 0.75 * masked)))
+    with pytest.raises(ValueError, match="causal flag per layer"):
+        repeat_floor(3.0, a, L, chunks, [None, W], [1.0, 3.0], [True])

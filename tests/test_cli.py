@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from arckv_press import cli
@@ -111,6 +112,12 @@ def test_compact_help_states_the_configs_defaults():
     assert defaults.anchor_search is None
     assert f"(default: by kept fraction, scores at ratio >= 0.05, omp below{own}" in helps["anchor_search"]
     assert f"(default {defaults.min_head_fraction};" in helps["min_head_fraction"]
+    assert defaults.tail_rows is None  # consecutive steps with the same value are one run
+    assert f"default: by kept fraction, 512 at ratio >= 0.1, 0 below{own}" in helps["tail_rows"]
+    parser = cli.build_parser()
+    assert parser.parse_args(["compact", "doc.txt", "--tail-rows", "0"]).tail_rows == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["compact", "doc.txt", "--tail-rows", "-1"])
 
 
 def test_demo_runs_every_method_and_reports_real_cache_sizes(tiny_model, tmp_path, capsys):

@@ -643,7 +643,7 @@ def test_per_model_tables_are_made_from_one_models_rows():
 
     rows = [{"model": GEMMA3_MODEL_ID, "i": 0}, {"model": DEFAULT_MODEL_ID, "i": 1}, {"model": "", "i": 2}]
     per_model = sorted(name for name, gen in ml.TABLES.items() if gen.per_model)
-    assert per_model == ["benchmark", "best", "evidence-cost", "headline"]
+    assert per_model == ["benchmark", "best", "evidence-cost", "headline", "needle-stages"]
     seen = {}
     saved = dict(ml.TABLES)
     try:
@@ -944,6 +944,39 @@ def test_long_context_table_and_plot_are_the_newest_synthetic_sweep(tmp_path):
     assert body[1] == "| 2,048 | 8.00 | 2.50 | 0.50 |  |  | 0.312 | 2.50x | 30 | 3.00x | 4.00 |  |  |  |"
     assert plot_long_context(rows, tmp_path).name == "long_context_scaling.png"
     assert plot_long_context([], tmp_path) is None
+
+
+def test_needle_stages_table_counts_finds_per_depth_and_the_stage_that_first_loses_each():
+    """Per length, options and stage: needles found per depth and in all; "first lost" counts the
+    cases the full cache and the stage before find and this stage does not; the full cache's row is
+    shared by every run's options; a rerun of a case replaces its row."""
+    from arckv_press.bench.study_tables import needle_stages_markdown
+
+    def r(seed, depth, stage, correct, command="python scripts/needle_stages.py --stages"):
+        return {"seed": str(seed), "depth": depth, "stage": stage, "correct": str(correct), "length": "1500",
+                "command": command}
+
+    near = "python scripts/needle_stages.py --stages --option near_rows=True"
+    # seed: full, evict, +mass, +values, +merge (defaults)
+    ladder = {1: (1, 1, 1, 1, 1), 2: (1, 0, 1, 1, 0), 3: (1, 1, 0, 0, 0), 4: (0, 1, 0, 0, 0)}
+    rows = []
+    for seed, found in ladder.items():
+        rows.append(r(seed, "0.9" if seed % 2 else "0.8", "full", found[0]))
+        rows += [r(seed, "0.9" if seed % 2 else "0.8", stage, ok)
+                 for stage, ok in zip(("evict", "+mass", "+values", "+merge"), found[1:])]
+    rows.insert(1, r(1, "0.9", "evict", 0))            # replaced by the rerun below it
+    rows += [r(2, "0.8", "evict", 1, near), r(2, "0.8", "+merge", 1, near)]
+    lines = needle_stages_markdown(rows).splitlines()
+    assert lines[0] == "| length | options | stage | 80% | 90% | all | first lost |"
+    assert lines[2:] == [
+        "| 1,500 |  | full cache | 1/2 | 2/2 | 3/4 |  |",
+        "| 1,500 | defaults | evict | 1/2 | 2/2 | 3/4 | 1 |",    # seed 2
+        "| 1,500 | defaults | +mass | 1/2 | 1/2 | 2/4 | 1 |",    # seed 3
+        "| 1,500 | defaults | +values | 1/2 | 1/2 | 2/4 | 0 |",  # seed 3 was lost before
+        "| 1,500 | defaults | +merge | 0/2 | 1/2 | 1/4 | 1 |",   # seed 2
+        "| 1,500 | near_rows=True | evict | 1/1 |  | 1/1 | 0 |",
+        "| 1,500 | near_rows=True | +merge | 1/1 |  | 1/1 | 0 |",
+    ]
 
 
 def test_evidence_cost_sums_compactions_times_seconds():

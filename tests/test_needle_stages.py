@@ -142,3 +142,9 @@ def test_stage_ladder_writes_one_row_per_stage_and_resumes(tiny_model, tmp_path,
     capsys.readouterr()
     assert needle_stages.main(argv) == 0
     assert "(done)" in capsys.readouterr().out and len(read_rows(out)) == len(rows)
+    # --only +merge: the full cache and the method as configured, the same rows as in the whole ladder
+    only = tmp_path / "only.csv"
+    assert needle_stages.main([*argv[:-4], "--out", str(only), "--only", "+merge", "--threads", "1"]) == 0
+    keep = ("seed", "stage", "config_id", "answer", "correct", "heads_all_kept", "heads_none_kept")
+    assert [{k: r[k] for k in keep} for r in read_rows(only)] == [
+        {k: r[k] for k in keep} for r in rows if r["stage"] in ("full", "+merge")]

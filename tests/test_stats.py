@@ -375,6 +375,19 @@ def test_stats_capture_restores_attention_and_refuses_a_wrong_cache(tiny_model, 
     assert model.config._attn_implementation == before and cache.get_seq_length() == ids.shape[1]
 
 
+def _assert_rows_after(st, q: torch.Tensor, layer, scaling: float, P: int, T: int, first: int) -> None:
+    """The statistics ``st`` of rows ``first ..`` (queries ``q [Hq, N, D]``) against float64 softmax
+    attention over the document keys of the cache ``layer``, and every row's pooled HA score."""
+    Q = group_queries_by_kv_head(q[None], layer.keys.shape[1]).double()
+    K, V = layer.keys[0, :, P:P + T].double(), layer.values[0, :, P:P + T].double()
+    L = scaling * Q @ K.transpose(1, 2)
+    rows = grouped_rows(torch.arange(first, st.N), st.N, st.G)
+    torch.testing.assert_close(st.rows("row_lse")[:, rows].double(), torch.logsumexp(L, -1)[:, rows], atol=1e-5, rtol=0)
+    torch.testing.assert_close(st.rows("row_out")[:, rows].double(), (torch.softmax(L, -1) @ V)[:, rows],
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(st.scores.double(), torch.softmax(L, -1).square().mean(1).sqrt(), atol=1e-6, rtol=1e-4)
+
+
 def test_near_rows_are_the_copies_queries_moved_after_the_document(tiny_model, tiny_tokenizer):
     """``near_positions`` appends, after the document's rows, the repeated
     copy's query of each given position moved to just after the document: it equals the layer's own
@@ -414,17 +427,87 @@ def test_near_rows_are_the_copies_queries_moved_after_the_document(tiny_model, t
             ref = (q0 * cos[:, None] + torch.cat([-q0[..., q0.shape[-1] // 2:], q0[..., : q0.shape[-1] // 2]], -1)
                    * sin[:, None])[0]
             torch.testing.assert_close(q[:, N0:], ref, atol=1e-5, rtol=1e-5)
-            Q = group_queries_by_kv_head(q[None], model.config.num_key_value_heads).double()
-            K = cache.layers[i].keys[0, :, P:P + T].double()
-            V = cache.layers[i].values[0, :, P:P + T].double()
-            L = float(attn.scaling) * Q @ K.transpose(1, 2)
-            rows = grouped_rows(torch.arange(N0, st.N), st.N, st.G)
-            torch.testing.assert_close(st.rows("row_lse")[:, rows].double(), torch.logsumexp(L, -1)[:, rows],
-                                       atol=1e-5, rtol=0)
-            torch.testing.assert_close(st.rows("row_out")[:, rows].double(), (torch.softmax(L, -1) @ V)[:, rows],
-                                       atol=1e-5, rtol=0)
-            torch.testing.assert_close(st.scores.double(), torch.softmax(L, -1).square().mean(1).sqrt(),
-                                       atol=1e-6, rtol=1e-4)
+            _assert_rows_after(st, q, cache.layers[i], float(attn.scaling), P, T, N0)
+
+
+def test_tail_rows_are_a_short_repeat_of_the_document_end(tiny_model, tiny_tokenizer):
+    """``tail_rows=W`` appends, after the document's rows, the queries of one more forward: the
+    instruction to repeat "starting with" the 8 tokens before the last W, the suffix, then the last W
+    document tokens, fed after the whole context. Each tail row equals the layer's own query of that
+    forward (computed independently: the model's hidden states, ``input_layernorm``, ``q_proj`` and
+    the rotary module at the positions after the context), and its statistics equal float64
+    softmax attention over the document keys; the scores pool the document's rows and the tail rows.
+    The document's rows are exactly those of the pass without tail rows; at most a quarter of the
+    document is repeated."""
+    import copy
+
+    from arckv_press.capture import (REPEAT_CHUNK_PROMPT, TAIL_FRACTION, encode_document, framing_for, prefill,
+                                     repeat_prefill_stats)
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    ids, P = encode_document(tok, "a short document about the north gate and its code " * 4)
+    T, W = ids.shape[1] - P, 24
+    suffix = framing_for(tok).suffix_ids
+    doc = ids[:, P:]
+    with torch.no_grad():
+        cache = prefill(model, ids)
+        args = (model, tok, cache, doc, suffix, [0, 1], P, "ha", "rms", None, 16)
+        plain = repeat_prefill_stats(*args)
+        cap = repeat_prefill_stats(*args, tail_rows=W)
+        assert cap.n_tail == W
+        for longer in (T, 10 * T):  # at most a quarter of the document (TAIL_FRACTION)
+            other = repeat_prefill_stats(*args, tail_rows=longer)
+            assert other.n_tail == T // 4 == int(T * TAIL_FRACTION) and other.stats[0].N == T + T // 4
+        assert W < T // 4
+        assert cache.get_seq_length() == ids.shape[1]  # restored to the context
+        # the tail forward, independently: its ids, then the model's hidden state at every layer
+        span = torch.cat([torch.tensor([tok.encode(REPEAT_CHUNK_PROMPT, add_special_tokens=False)]),
+                          doc[:, T - W - 8:T - W], torch.tensor([suffix]), doc[:, T - W:]], 1)
+        out = model.model(input_ids=span, past_key_values=copy.deepcopy(cache), output_hidden_states=True)
+        positions = torch.arange(ids.shape[1], ids.shape[1] + span.shape[1])[None]
+        for i in (0, 1):
+            attn = model.model.layers[i].self_attn
+            st, st0 = cap.stats[i], plain.stats[i]
+            assert (st.N, st0.N) == (T + W, T)
+            q = torch.cat(cap.store.q[i], 1)
+            assert torch.equal(q[:, :T], torch.cat(plain.store.q[i], 1))
+            for name in ("row_max", "row_lse", "row_out"):
+                assert torch.equal(getattr(st, name)[:, :, :T], getattr(st0, name))
+            h = model.model.layers[i].input_layernorm(out.hidden_states[i])
+            q0 = attn.q_proj(h).view(1, span.shape[1], -1, attn.head_dim).transpose(1, 2)
+            cos, sin = model.model.rotary_emb(h, positions)
+            rot = torch.cat([-q0[..., q0.shape[-1] // 2:], q0[..., : q0.shape[-1] // 2]], -1)
+            ref = (q0 * cos[:, None] + rot * sin[:, None])[0, :, -W:]
+            torch.testing.assert_close(q[:, T:], ref, atol=1e-5, rtol=1e-5)
+            _assert_rows_after(st, q, cache.layers[i], float(attn.scaling), P, T, T)
+
+
+def test_tail_rows_of_the_budget_positions_join_the_fit_rows():
+    """``api.extra_rows``: after the T document rows, the near rows hold every position (row T + p),
+    then the tail rows hold the last ``n_tail`` positions (row T + n_near + p - (T - n_tail))."""
+    from arckv_press.api import extra_rows
+
+    pos = torch.tensor([0, 5, 17, 18, 19])
+    assert extra_rows(pos, 20, 0, 0).tolist() == []
+    assert extra_rows(pos, 20, 20, 0).tolist() == [20, 25, 37, 38, 39]
+    assert extra_rows(pos, 20, 0, 4).tolist() == [20 + 1, 20 + 2, 20 + 3]
+    assert extra_rows(pos, 20, 20, 4).tolist() == [20, 25, 37, 38, 39, 40 + 1, 40 + 2, 40 + 3]
+    assert extra_rows(pos, 20, 0, 20).tolist() == [20, 25, 37, 38, 39]
+
+
+def test_tail_rows_option_checks_and_id():
+    """``tail_rows`` is a non-negative int and has an id of its own."""
+    from arckv_press.config import CompactionConfig, config_id
+
+    assert config_id(CompactionConfig(tail_rows=0)) != config_id(CompactionConfig(tail_rows=512))
+    assert config_id(CompactionConfig(tail_rows=256)) != config_id(CompactionConfig(tail_rows=512))
+    with pytest.raises(TypeError, match="tail_rows"):
+        CompactionConfig(tail_rows=True)
+    with pytest.raises(TypeError, match="tail_rows"):
+        CompactionConfig(tail_rows=2.0)
+    with pytest.raises(ValueError, match="tail_rows"):
+        CompactionConfig(tail_rows=-1)
+    assert config_id(CompactionConfig(method="am-omp", tail_rows=512)) == config_id(CompactionConfig(method="am-omp"))
 
 
 def test_near_rows_option_checks_and_id():

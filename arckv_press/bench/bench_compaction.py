@@ -264,23 +264,27 @@ def floor_stages(model, tok, ids: torch.Tensor, prefix_len: int, prefill_seconds
     ``prefill_profiled`` (its wall seconds) and ``repeat_floor``, the seconds an exact repeat-prefill
     of the default chunks needs at least (:func:`~arckv_press.bench.repeat_floor.repeat_floor`, with the
     share of attention of the profiled prefill applied to the median prefill ``prefill_seconds``, and
-    each layer's part of it and window: a sliding-window layer's queries see at most its window)."""
+    each layer's part of it, window and kernel: a sliding-window layer's queries see at most its
+    window, and a kernel run with a mask computed every pair of the square)."""
     from arckv_press.config import CompactionConfig
     from arckv_press.capture import framing_for, prefill, repeat_chunks
     from arckv_press.models import describe_attention_layout
 
     from .repeat_floor import attention_calls, layer_shares, repeat_floor
 
-    calls, wall = attention_calls(partial(prefill, model, ids))
+    calls, causal, wall = attention_calls(partial(prefill, model, ids))
     layout = describe_attention_layout(model)
     windows = [layout.sliding_window if kind == "sliding_attention" else None for kind in layout.layer_types]
     doc = ids[:, prefix_len:].cpu()
     chunks = [c.shape[-1] for _, _, c in repeat_chunks(tok, doc, framing_for(tok).suffix_ids,
                                                          CompactionConfig().repeat_chunk)]
-    kernel = sum(calls)
+    kernel, n = sum(calls), len(windows)
+    # per layer, whether its kernel ran causal; calls that do not divide into layers: all causal or none
+    ran_causal = ([all(causal[i::n]) for i in range(n)] if layer_shares(calls, n) is not None
+                  else [all(causal)] * n)
     return {"prefill_attention": kernel, "prefill_profiled": wall,
             "repeat_floor": repeat_floor(prefill_seconds, kernel / wall, ids.shape[1], chunks, windows,
-                                         layer_shares(calls, len(windows)))}
+                                         layer_shares(calls, n), ran_causal)}
 
 
 def plain_repeat(model, tok, cache, ids: torch.Tensor, prefix_len: int) -> None:

@@ -41,7 +41,7 @@ from .leaderboard.readers import current_rows, read_fidelity, read_needle, read_
 from .leaderboard.sources import DEFAULT_MANIFEST, Sources, load_sources
 from .leaderboard.table import fill_references, key_of, sorted_unique, summary_markdown, write_csv
 from .study_tables import (compaction_time_markdown, dev_split_markdown, evidence_cost_markdown, long_context_markdown,
-                           read_config_labels, selectors_markdown)
+                           needle_stages_markdown, read_config_labels, selectors_markdown)
 
 __all__ = ["GeneratedTable", "TABLES", "read_sources", "generate_block", "rebuild", "main"]
 
@@ -79,6 +79,7 @@ TABLES: dict[str, GeneratedTable] = {
     "selectors": GeneratedTable(lambda rows, s, p: selectors_markdown(rows)),
     "long-context": GeneratedTable(lambda rows, s, p: long_context_markdown(rows)),
     "evidence-cost": GeneratedTable(lambda rows, s, p: evidence_cost_markdown(rows, s.ranked()), per_model=True),
+    "needle-stages": GeneratedTable(lambda rows, s, p: needle_stages_markdown(rows), per_model=True),
 }
 
 

@@ -23,6 +23,9 @@ the context with a method and compares it with the full cache of the same prefil
     python scripts/needle_stages.py --seed 4 --depth 0.9 --method arckv-ha --layer 8 --option near_rows=True
     python scripts/needle_stages.py --stages --method arckv --length 1500 --seeds 3 4 5 --depths 0.8 0.9 0.95 \
         --out leaderboards/studies/needle_end_stages.csv
+    python scripts/needle_stages.py --stages --only +merge --method arckv --length 1500 --seeds 3 4 5
+
+``--only`` runs some of the stages (``+merge`` alone: the method as configured, the full cache beside it).
 
 Prints only, except ``--stages --out``, which appends one row per case and stage to a CSV
 (resumable: cases already there are skipped).
@@ -137,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="--stages: cases (default --seed)")
     parser.add_argument("--depths", type=float, nargs="+", default=None, help="--stages: depths (default --depth)")
     parser.add_argument("--out", type=Path, default=None, help="--stages: append rows to this CSV")
+    parser.add_argument("--only", nargs="+", choices=[name for name, _ in STAGES], default=None,
+                        help="--stages: run only these stages (besides the full cache); '+merge' is the method as "
+                             "configured")
     parser.add_argument("--model", default=None)
     parser.add_argument("--articles", default=None)
     add_option_argument(parser)
@@ -183,11 +189,12 @@ def _stage_ladder(model, tok, args) -> int:
     meta = run_meta()
     cases = [(seed, depth) for seed in (args.seeds or [args.seed]) for depth in (args.depths or [args.depth])]
     print(f"{args.method}, keep {args.ratio:g}, {args.length} tokens, options {args.options}")
-    print(f"{'seed':>4} {'depth':>5}  " + "  ".join(f"{name:>14}" for name in ("full", *dict(STAGES))))
+    stages = [(name, stage) for name, stage in STAGES if args.only is None or name in args.only]
+    print(f"{'seed':>4} {'depth':>5}  " + "  ".join(f"{name:>14}" for name in ("full", *dict(stages))))
     for seed, depth in tqdm(cases, desc="cases", disable=len(cases) < 2):
         needle, context, ids, P, positions = _case(tok, args, seed, depth)
         cells, rows, anchors = [], [], None
-        for name, stage in (("full", None), *STAGES):
+        for name, stage in (("full", None), *stages):
             options = stage_options(args.options, stage or {})
             cid = "full" if stage is None else config_id(
                 CompactionConfig(method=args.method, ratio=args.ratio, **options).for_model(mid))
@@ -210,7 +217,7 @@ def _stage_ladder(model, tok, args) -> int:
             if anchors is None:
                 anchors = cc.kept_positions
             elif any(not torch.equal(anchors[i], cc.kept_positions[i]) for i in anchors):
-                raise RuntimeError(f"stage {name!r} kept other positions than stage {STAGES[0][0]!r}: the stages "
+                raise RuntimeError(f"stage {name!r} kept other positions than stage {stages[0][0]!r}: the stages "
                                    "must differ only after selection")
             kept = needle_kept(cc.kept_positions, positions)
             heads = [n for per_layer in kept.values() for n in per_layer]

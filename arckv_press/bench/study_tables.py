@@ -18,6 +18,8 @@ committed docs equal what this module generates).
   sweep of ``bench_compaction.py`` (time per stage and peak memory against T, chunked and not).
 - ``evidence-cost`` (``docs/results.md``): the compaction hours behind the leaderboard's rows of
   the ranked benchmarks, per method.
+- ``needle-stages`` (``docs/studies/needle_end.md``): ``needle_stages.py --stages``' ladder, needles
+  found per stage of the method on the same anchors, and the stage that first loses each.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .leaderboard.doc_tables import of_model
 from .leaderboard.table import REFERENCE_METHODS, fmt_ratio
 
 __all__ = ["read_config_labels", "dev_damage", "dev_split_markdown", "selectors_markdown",
-           "compaction_time_markdown", "long_context_markdown", "evidence_cost_markdown"]
+           "compaction_time_markdown", "long_context_markdown", "evidence_cost_markdown", "needle_stages_markdown"]
 
 
 def _options(command: str) -> dict:
@@ -270,4 +272,47 @@ def evidence_cost_markdown(rows: list[dict], ranked: Sequence[tuple[str, str, st
         lines.append("| " + " | ".join([REFERENCE_METHODS.get(m, f"`{m}`"), *map(fmt, cells), fmt(total(cells))]) + " |")
     columns = [total([cells[i] for cells in by_method.values()]) for i in range(len(labels))]
     lines.append("| " + " | ".join(["all", *map(fmt, columns), fmt(total(columns))]) + " |")
+    return "\n".join(lines)
+
+
+def needle_stages_markdown(rows: list[dict]) -> str:
+    """The stage ladder of ``needle_stages.py --stages`` (:data:`~arckv_press.bench.needle_stages.STAGES`):
+    per length, run options (the command's ``--option`` values) and stage, the needles found per
+    depth and in all, and "first lost": the cases the full cache finds and the stage before finds
+    (the full cache, for the first stage) but this stage does not, so the stage that loses a needle
+    is the row that counts it. The full cache's row is shared by every run of a length (it depends
+    on no option); a rerun of a case replaces its row."""
+    from arckv_press.bench.needle_stages import STAGES
+
+    names = ["full", *(name for name, _ in STAGES)]
+    found: dict[tuple, dict[tuple[str, str], bool]] = defaultdict(dict)  # (length, label, stage) -> case -> found
+    for r in rows:
+        given = _options(r.get("command", ""))
+        label = " ".join(f"{k}={v}" for k, v in given.items()) if given else "defaults"
+        key = (int(r["length"]), "" if r["stage"] == "full" else label, r["stage"])
+        found[key][(r["seed"], r["depth"])] = r["correct"] == "1"
+    depths = sorted({case[1] for cases in found.values() for case in cases}, key=float)
+    lines = ["| length | options | stage | " + " | ".join(f"{float(d) * 100:g}%" for d in depths)
+             + " | all | first lost |", "|---|---|---|" + "---:|" * (len(depths) + 2)]
+    def row(length: int, label: str, stage: str, cases: dict, lost: str) -> str:
+        cells = []
+        for d in depths:
+            mine = [ok for (_, depth), ok in cases.items() if depth == d]
+            cells.append(f"{sum(mine)}/{len(mine)}" if mine else "")
+        return (f"| {length:,} | {label} | {stage} | " + " | ".join(cells)
+                + f" | {sum(cases.values())}/{len(cases)} | {lost} |")
+
+    for length in sorted({k[0] for k in found}):
+        full = found.get((length, "", "full"), {})
+        if full:
+            lines.append(row(length, "", "full cache", full, ""))
+        for label in sorted({k[1] for k in found if k[0] == length and k[1]}):
+            before = full
+            for stage in names[1:]:
+                cases = found.get((length, label, stage))
+                if cases is None:
+                    continue
+                lost = sum(1 for case, ok in cases.items() if full.get(case) and before.get(case) and not ok)
+                lines.append(row(length, label, stage, cases, str(lost)))
+                before = cases
     return "\n".join(lines)
