@@ -423,7 +423,7 @@ def repeat_prefill(
     positions = _check_positions(positions, doc_ids.shape[-1])
     store = CapturedQueries()
     with QueryCapture(model, layers, store) as cap:
-        def forward(start: int, n: int, ids: torch.Tensor) -> None:
+        def forward(start: int, n: int, ids: torch.Tensor, is_tail: bool) -> None:  # no tail forward here
             sel = positions[(positions >= start) & (positions < start + n)]
             if sel.numel():
                 prefill(model, ids, cache, cap, rows=sel - start + ids.shape[-1] - n)  # chunk sits last
@@ -466,7 +466,7 @@ def repeat_prefill_stats(
                        near_positions, tail_rows)
     tail = CapturedQueries()
     with cap:
-        def forward(start: int, n: int, ids: torch.Tensor, is_tail: bool = False) -> None:
+        def forward(start: int, n: int, ids: torch.Tensor, is_tail: bool) -> None:
             if is_tail:  # the model's own attention; its queries only are kept
                 with QueryCapture(model, layers, tail) as qc:
                     prefill(model, ids, cache, qc, rows=torch.arange(ids.shape[-1] - n, ids.shape[-1]))
@@ -484,20 +484,19 @@ def repeat_prefill_stats(
 
 
 def _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward, tail: int = 0) -> None:
-    """Run ``forward(start, n, ids)`` for each repeat chunk on ``cache``, restoring it after each; with
-    ``tail``, then ``forward(T - tail, tail, ids, True)`` for the repeat of the last ``tail`` tokens."""
+    """Run ``forward(start, n, ids, False)`` for each repeat chunk on ``cache``, restoring it after each;
+    with ``tail``, then ``forward(T - tail, tail, ids, True)`` for the repeat of the last ``tail`` tokens."""
     if doc_ids.ndim != 2 or doc_ids.shape[0] != 1:
         raise ValueError(f"repeat-prefill supports batch size 1 only, got doc_ids of shape {tuple(doc_ids.shape)}")
-    chunks = list(repeat_chunks(tokenizer, doc_ids.cpu(), suffix_ids, chunk_size))
     T = doc_ids.shape[-1]
-    spans = [(*chunk, False) for chunk in chunks]
+    spans = [(*chunk, False) for chunk in repeat_chunks(tokenizer, doc_ids.cpu(), suffix_ids, chunk_size)]
     if tail:
         spans.append((*repeat_span(tokenizer, doc_ids.cpu(), suffix_ids, T - tail, T), True))
-    _warn_past_window(model, cache.get_seq_length() + max(ids.shape[-1] for _, _, ids in chunks), chunk_size)
+    _warn_past_window(model, cache.get_seq_length() + max(ids.shape[-1] for _, _, ids, _ in spans), chunk_size)
     snapshot = cache_snapshot(cache)  # restoring it also undoes what a sliding-window layer dropped
     try:
         for start, n, ids, is_tail in spans:
-            forward(start, n, ids, *([True] if is_tail else []))
+            forward(start, n, ids, is_tail)
             restore_cache(cache, snapshot)
             if progress is not None and not is_tail:
                 progress.update(n)

@@ -161,6 +161,27 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+def forward_queries(model, cache, input_ids) -> list:
+    """Per layer, the post-RoPE queries ``[Hq, L, D]`` of the ``L`` tokens ``input_ids`` fed after
+    ``cache`` (a tiny Llama), computed independently of the package's capture hooks: the model's
+    hidden states, ``input_layernorm``, ``q_proj`` and the rotary module (rotate-half) at the
+    positions after the cache. ``cache`` is updated by the forward."""
+    import torch
+
+    L, past = input_ids.shape[1], cache.get_seq_length()
+    with torch.no_grad():
+        out = model.model(input_ids=input_ids, past_key_values=cache, output_hidden_states=True)
+        positions = torch.arange(past, past + L)[None]
+        qs = []
+        for i, layer in enumerate(model.model.layers):
+            h = layer.input_layernorm(out.hidden_states[i])
+            q = layer.self_attn.q_proj(h).view(1, L, -1, layer.self_attn.head_dim).transpose(1, 2)
+            cos, sin = model.model.rotary_emb(h, positions)
+            rot = torch.cat([-q[..., q.shape[-1] // 2:], q[..., : q.shape[-1] // 2]], -1)
+            qs.append((q * cos[:, None] + rot * sin[:, None])[0])
+    return qs
+
+
 def make_text(n_chars: int, seed: int = 0) -> str:
     """Deterministic word soup of ``n_chars`` characters (within the tiny tokenizers' alphabet)."""
     rng = random.Random(seed)

@@ -200,7 +200,9 @@ def _three_layer_reference(tiny_model, tiny_tokenizer):
 def _tail_queries(model, tok, text, n: int) -> list[torch.Tensor]:
     """Per layer, the post-RoPE queries ``[Hq, n, D]`` of the tail repeat: the instruction to repeat
     "starting with" the 8 tokens before the document's last ``n``, the suffix, those ``n`` tokens,
-    fed after the whole context (the model's hidden states, ``input_layernorm``, ``q_proj``, RoPE)."""
+    fed after the whole context (``conftest.forward_queries``)."""
+    from conftest import forward_queries
+
     from arckv_press.capture import REPEAT_CHUNK_PROMPT
 
     ids, _, P = kvpress_ids(tok, text, "?")
@@ -209,16 +211,7 @@ def _tail_queries(model, tok, text, n: int) -> list[torch.Tensor]:
                       doc[:, T - n - 8:T - n], torch.tensor([framing_for(tok).suffix_ids]), doc[:, T - n:]], 1)
     with torch.no_grad():
         cache = prefill(model, ids, DynamicCache(config=model.config))
-        out = model.model(input_ids=span, past_key_values=cache, output_hidden_states=True)
-        positions = torch.arange(ids.shape[1], ids.shape[1] + span.shape[1])[None]
-        qs = []
-        for i, layer in enumerate(model.model.layers):
-            h = layer.input_layernorm(out.hidden_states[i])
-            q = layer.self_attn.q_proj(h).view(1, span.shape[1], -1, layer.self_attn.head_dim).transpose(1, 2)
-            cos, sin = model.model.rotary_emb(h, positions)
-            rot = torch.cat([-q[..., q.shape[-1] // 2:], q[..., : q.shape[-1] // 2]], -1)
-            qs.append((q * cos[:, None] + rot * sin[:, None])[0, :, -n:])
-    return qs
+    return [q[:, -n:] for q in forward_queries(model, cache, span)]
 
 
 def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):

@@ -441,6 +441,8 @@ def test_tail_rows_are_a_short_repeat_of_the_document_end(tiny_model, tiny_token
     document is repeated."""
     import copy
 
+    from conftest import forward_queries
+
     from arckv_press.capture import (REPEAT_CHUNK_PROMPT, TAIL_FRACTION, encode_document, framing_for, prefill,
                                      repeat_prefill_stats)
 
@@ -463,8 +465,7 @@ def test_tail_rows_are_a_short_repeat_of_the_document_end(tiny_model, tiny_token
         # the tail forward, independently: its ids, then the model's hidden state at every layer
         span = torch.cat([torch.tensor([tok.encode(REPEAT_CHUNK_PROMPT, add_special_tokens=False)]),
                           doc[:, T - W - 8:T - W], torch.tensor([suffix]), doc[:, T - W:]], 1)
-        out = model.model(input_ids=span, past_key_values=copy.deepcopy(cache), output_hidden_states=True)
-        positions = torch.arange(ids.shape[1], ids.shape[1] + span.shape[1])[None]
+        ref_q = forward_queries(model, copy.deepcopy(cache), span)
         for i in (0, 1):
             attn = model.model.layers[i].self_attn
             st, st0 = cap.stats[i], plain.stats[i]
@@ -473,12 +474,7 @@ def test_tail_rows_are_a_short_repeat_of_the_document_end(tiny_model, tiny_token
             assert torch.equal(q[:, :T], torch.cat(plain.store.q[i], 1))
             for name in ("row_max", "row_lse", "row_out"):
                 assert torch.equal(getattr(st, name)[:, :, :T], getattr(st0, name))
-            h = model.model.layers[i].input_layernorm(out.hidden_states[i])
-            q0 = attn.q_proj(h).view(1, span.shape[1], -1, attn.head_dim).transpose(1, 2)
-            cos, sin = model.model.rotary_emb(h, positions)
-            rot = torch.cat([-q0[..., q0.shape[-1] // 2:], q0[..., : q0.shape[-1] // 2]], -1)
-            ref = (q0 * cos[:, None] + rot * sin[:, None])[0, :, -W:]
-            torch.testing.assert_close(q[:, T:], ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(q[:, T:], ref_q[i][:, -W:], atol=1e-5, rtol=1e-5)
             _assert_rows_after(st, q, cache.layers[i], float(attn.scaling), P, T, T)
 
 
