@@ -209,7 +209,7 @@ def compact_prefilled(
         original_length=int(context_ids.shape[1]),
         package_version=__version__,
         weights_fingerprint=weights_fingerprint(model),
-        extra={"prefix_length": prefix_len, "lambda_m": config.merging_coefficient(), "config_id": config_id(config),
+        extra={"prefix_length": prefix_len, "lambda_m": config.scheduled("lambda_m"), "config_id": config_id(config),
                "report": report.__dict__},
     )
     result.report = report
@@ -275,16 +275,15 @@ def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Te
                                run.prefix_len, selector=pass_selector, pooling=config.pooling,
                                x_positions=score_pos if selector == "indexer" else None,
                                chunk_size=config.repeat_chunk, progress=bar,
-                               near_positions=torch.arange(T) if config.near_rows else None,
-                               tail_rows=config.tail_rows_used())
+                               tail_rows=config.scheduled("tail_rows"))
     if bar is not None:
         bar.close()
     run.timings["repeat_prefill"] = time.perf_counter() - t0
     run.timings["reference_stats"] = cap.stats_seconds  # part of repeat_prefill: the in-pass selection work
     queries = {i: group_queries_by_kv_head(torch.cat(cap.store.q.pop(i), dim=1)[None], run.H) for i in layers}
 
-    N = T + cap.n_near + cap.n_tail  # rows per query head: the repeated document, the near rows, the tail rows
-    after = extra_rows(base_pos, T, cap.n_near, cap.n_tail)  # the near and tail rows of the budget positions
+    N = T + cap.n_tail  # rows per query head: the repeated document, then the tail rows
+    after = extra_rows(base_pos, T, cap.n_tail)  # the tail rows of the budget positions
     base_rows = grouped_rows(torch.cat([base_pos, after]), N, G)
     score_rows = grouped_rows(score_pos, N, G)
     t0 = time.perf_counter()
@@ -329,13 +328,11 @@ def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Te
     return results, n_rows
 
 
-def extra_rows(positions: torch.Tensor, T: int, n_near: int, n_tail: int) -> torch.Tensor:
-    """The rows after the repeated document's ``T`` that hold document ``positions`` (sorted): their
-    near rows (``T + p``, when ``n_near``, every position's) and their tail rows (``T + n_near + p -
-    (T - n_tail)``, the positions of the last ``n_tail``)."""
-    near = T + positions if n_near else positions[:0]
+def extra_rows(positions: torch.Tensor, T: int, n_tail: int) -> torch.Tensor:
+    """The rows after the repeated document's ``T`` that hold document ``positions`` (sorted): the
+    tail rows ``T + p - (T - n_tail)`` of those among the last ``n_tail``."""
     in_tail = positions[positions >= T - n_tail] if n_tail else positions[:0]
-    return torch.cat([near, T + n_near + in_tail - (T - n_tail)])
+    return T + in_tail - (T - n_tail)
 
 
 def indexer_positions(config: CompactionConfig, base_pos: torch.Tensor, T: int, G: int) -> torch.Tensor:

@@ -180,16 +180,11 @@ class StatsCapture:
 
     def __init__(self, model, layers: list[int], prefix_len: int, doc_len: int, selector: str = "ha",
                  pooling: str = "rms", x_positions: torch.Tensor | None = None, block: int = ReferenceStats.block,
-                 near_positions: torch.Tensor | None = None, tail: int = 0):
+                 tail: int = 0):
         self.model, self.layers = model, list(layers)
         # tail rows: a second, short copy of the document's last positions, read from nearby: at most
         # ``tail`` of them and at most TAIL_FRACTION of the document
         self.n_tail = min(check_positive_int(tail, "tail"), int(doc_len * TAIL_FRACTION)) if tail != 0 else 0
-        # near rows: the copies' queries at these document positions, moved to just after the document
-        self.near_positions = None if near_positions is None else _check_positions(near_positions, doc_len)
-        self.n_near = 0 if self.near_positions is None else self.near_positions.numel()
-        self._rope: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per layer: (cos, sin) of each forward
-        self._near_target: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer: (cos, sin) after the document
         self._scaling: dict[int, float] = {}  # per layer: the softmax scale its attention was called with
         self.block = check_positive_int(block, "block")  # query rows per statistics block
         self.prefix_len, self.doc_len = prefix_len, doc_len
@@ -219,8 +214,6 @@ class StatsCapture:
         for idx in self.layers:
             if self.x_positions is not None:
                 self._handles.append(blocks[idx].self_attn.register_forward_pre_hook(self._x_hook(idx), with_kwargs=True))
-            if self.n_near:
-                self._handles.append(blocks[idx].self_attn.register_forward_pre_hook(self._rope_hook(idx), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -250,45 +243,8 @@ class StatsCapture:
         Hkv, G, n, D = q.shape
         self.store.q[idx].append(q.reshape(Hkv * G, n, D).to(self.store.q[idx][0].dtype))
 
-    def _rope_hook(self, layer_idx: int):
-        """Keep the rotary ``(cos, sin)`` of the captured rows of each forward, and of the first
-        forward's instruction tokens (the positions right after the document), for the near rows."""
-        def hook(module, args, kwargs):
-            if self._rows is not None:
-                start, n = self._rows
-                cos, sin = kwargs["position_embeddings"]
-                self._rope.setdefault(layer_idx, []).append((cos[0, -n:], sin[0, -n:]))
-                if start == 0:
-                    self._near_target[layer_idx] = (cos[0, : cos.shape[1] - n], sin[0, : sin.shape[1] - n])
-            return None
-
-        return hook
-
-    def add_near_rows(self, cache) -> None:
-        """Append the near rows to each layer's statistics, after the document's rows: the repeated copy's query at each of ``near_positions``, moved by its rotary embedding
-        from where the copy sits (a whole document after the original) to a position right after the
-        document, where a question's tokens sit: the first forward's instruction positions, in turn.
-        A question that asks for what a position holds reads it from there, at a short distance; the
-        copy reads it from a document away. Their statistics are over the document only."""
-        if not self.n_near:
-            return
-        blocks = decoder_layers(self.model)
-        pos = self.near_positions
-        for idx in self.layers:
-            module = blocks[idx].self_attn
-            q = torch.cat(self.store.q[idx], dim=1)[:, pos.to(self.store.q[idx][0].device)]  # [Hq, n, D] post-RoPE
-            cos, sin = (torch.cat(part, dim=0)[pos.to(q.device)] for part in zip(*self._rope.pop(idx)))
-            t_cos, t_sin = self._near_target.pop(idx)
-            turn = torch.arange(pos.numel(), device=q.device) % t_cos.shape[0]
-            q0 = _apply_rope(module, q[None].float(), cos[None].float(), -sin[None].float())
-            q0 = q0 / (cos.float() ** 2 + sin.float() ** 2)  # exact inverse for rotary embeddings with a scale
-            q_near = _apply_rope(module, q0, t_cos[turn][None].float(), t_sin[turn][None].float())[0].to(q.dtype)
-            Hkv = cache.layers[idx].keys.shape[1]
-            self._append_rows(cache, idx, q_near.view(Hkv, q_near.shape[0] // Hkv, pos.numel(), -1),
-                              self.doc_len)
-
     def add_tail_rows(self, cache, tail: CapturedQueries) -> None:
-        """Append the tail rows to each layer's statistics, after the document's and the near rows:
+        """Append the tail rows to each layer's statistics, after the document's rows:
         the post-RoPE queries ``tail.q`` of the tail copy (:func:`repeat_prefill_stats`), a second
         repeat of the document's last ``n_tail`` positions that sits right after the document. It
         reads them from a few hundred positions away, as a question reads the end of the document,
@@ -300,7 +256,7 @@ class StatsCapture:
         for idx in self.layers:
             q = torch.cat(tail.q.pop(idx), dim=1)  # [Hq, n_tail, D]
             Hkv = cache.layers[idx].keys.shape[1]
-            self._append_rows(cache, idx, q.view(Hkv, q.shape[0] // Hkv, self.n_tail, -1), self.doc_len + self.n_near)
+            self._append_rows(cache, idx, q.view(Hkv, q.shape[0] // Hkv, self.n_tail, -1), self.doc_len)
 
     def _x_hook(self, layer_idx: int):
         def hook(module, args, kwargs):
@@ -330,7 +286,7 @@ class StatsCapture:
         stats = self.stats.get(idx)
         off = c - n
         if stats is None:
-            stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len + self.n_near + self.n_tail, self.doc_len,
+            stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len + self.n_tail, self.doc_len,
                                                      value.shape[-1], self.selector, self.pooling, query.device,
                                                      block=self.block)
         self._scaling[idx] = scaling
@@ -446,7 +402,6 @@ def repeat_prefill_stats(
     chunk_size: int = 2048,
     progress=None,
     block: int = ReferenceStats.block,
-    near_positions: torch.Tensor | None = None,
     tail_rows: int = 0,
 ) -> StatsCapture:
     """The repeat-prefill of :func:`repeat_prefill` capturing every document position, with the
@@ -455,15 +410,15 @@ def repeat_prefill_stats(
     it is restored afterwards. Returns the capture: ``stats[layer]`` and ``store`` (queries, and the
     ``q_proj`` inputs at ``x_positions``), rows in position order. ``block``: query rows per block
     of the statistics (:class:`~arckv_press.compaction.stats.ReferenceStats`' default).
-    ``near_positions``: the near rows (:meth:`StatsCapture.add_near_rows`), rows ``T ..`` after the
-    document's. ``tail_rows``: the tail rows (:meth:`StatsCapture.add_tail_rows`), after those: one
+    ``tail_rows``: the tail rows (:meth:`StatsCapture.add_tail_rows`), rows ``T ..`` after the
+    document's: one
     more forward repeats the document's last ``min(tail_rows, T * TAIL_FRACTION)`` tokens
     (:func:`repeat_span`)."""
     if cache.get_seq_length() != prefix_len + doc_ids.shape[-1]:
         raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, expected prefix {prefix_len} + "
                          f"document {doc_ids.shape[-1]}")
     cap = StatsCapture(model, layers, prefix_len, doc_ids.shape[-1], selector, pooling, x_positions, block,
-                       near_positions, tail_rows)
+                       tail_rows)
     tail = CapturedQueries()
     with cap:
         def forward(start: int, n: int, ids: torch.Tensor, is_tail: bool) -> None:
@@ -476,7 +431,6 @@ def repeat_prefill_stats(
             cap._rows = None
 
         _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward, cap.n_tail)
-    cap.add_near_rows(cache)
     cap.add_tail_rows(cache, tail)
     for stats in cap.stats.values():
         stats.result()

@@ -22,10 +22,13 @@ from arckv_press.methods import method as lookup_method
 from arckv_press.models import GEMMA3_MODEL_ID
 
 __all__ = ["CompactionConfig", "config_id", "RATIO_SCHEDULE", "MODEL_RATIO_SCHEDULES", "RatioDefaults", "ratio_defaults",
-           "ratio_schedule", "INDEXER_ROWS", "SCORE_SHRINK", "MIN_LENGTH"]
+           "ratio_schedule", "SCHEDULED", "INDEXER_ROWS", "SCORE_SHRINK", "MIN_LENGTH"]
 
 INDEXER_ROWS = ("all", "budget")  # CompactionConfig.indexer_rows, besides a row count
 MIN_LENGTH = 16  # the shortest document (tokens) a compaction accepts
+#: the CompactionConfig options whose ``None`` means "the schedule's value at this kept fraction"
+#: (:class:`RatioDefaults`' fields; :meth:`CompactionConfig.scheduled`)
+SCHEDULED = ("lambda_m", "anchor_search", "tail_rows")
 
 @dataclass(frozen=True)
 class RatioDefaults:
@@ -130,7 +133,7 @@ class CompactionConfig:
             (``"scores"`` at keep 5% and above, ``"omp"`` below).
         tail_rows: the reference pass repeats the document's last ``tail_rows`` tokens once more,
             right after the document (:func:`~arckv_press.capture.repeat_prefill_stats`), and their
-            queries are reference rows too, after the copy's (and the near rows): all of them in
+            queries are reference rows too, after the copy's: all of them in
             the anchor scores and the witnesses, those of the budget positions in the merge and fit
             rows. The whole copy reads every position from a document away; a question reads the end
             of the document from nearby, and heads that read only nearby text (whose copy rows
@@ -138,14 +141,6 @@ class CompactionConfig:
             document is repeated (:data:`~arckv_press.capture.TAIL_FRACTION`). ``0``: off; ``None``
             (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio`` (512 at keep 10% and above,
             0 below; Gemma 3's schedule: 0).
-        near_rows: every repeated copy's query, moved by its rotary embedding from
-            where the copy sits (a document after the original) to a position right after the
-            document, where a question's tokens sit (the instruction's positions, in turn;
-            :meth:`~arckv_press.capture.StatsCapture.add_near_rows`), is a reference row too: all
-            of them in the anchor scores and the witnesses, those of the budget positions in the
-            merge and fit rows. A question reads a position near the document's end from a few
-            tokens away, the copy from a whole document away; heads whose reading depends on the
-            distance see the end of the document only in these rows. ``False`` (default): off.
     """
 
     method: str = "arckv"
@@ -165,7 +160,6 @@ class CompactionConfig:
     merge_rows: int | None = 512
     indexer_rows: int | str = 512
     anchor_search: str | None = None
-    near_rows: bool = False
     tail_rows: int | None = None
 
     def __post_init__(self) -> None:
@@ -196,8 +190,6 @@ class CompactionConfig:
         if self.merge_rows is not None and (isinstance(self.merge_rows, bool) or not isinstance(self.merge_rows, int)
                                             or self.merge_rows < 1):
             raise ValueError(f"merge_rows must be a positive int or None, got {self.merge_rows!r}")
-        if not isinstance(self.near_rows, bool):
-            raise TypeError(f"near_rows must be a bool, got {type(self.near_rows).__name__}")
         if self.tail_rows is not None and (isinstance(self.tail_rows, bool) or not isinstance(self.tail_rows, int)):
             raise TypeError(f"tail_rows must be an int or None, got {type(self.tail_rows).__name__}")
         if self.tail_rows is not None and self.tail_rows < 0:
@@ -215,37 +207,29 @@ class CompactionConfig:
         """``"arckv"`` or ``"am"`` (:class:`~arckv_press.methods.Method`)."""
         return lookup_method(self.method, ours=True).family
 
-    def merging_coefficient(self) -> float:
-        """``lambda_m`` as used at this config's kept fraction (the schedule's when ``None``)."""
-        return ratio_defaults(self.ratio).lambda_m if self.lambda_m is None else self.lambda_m
-
-    def anchor_search_used(self) -> str:
-        """``anchor_search`` as used at this config's kept fraction (the schedule's when ``None``)."""
-        return ratio_defaults(self.ratio).anchor_search if self.anchor_search is None else self.anchor_search
-
-    def tail_rows_used(self) -> int:
-        """``tail_rows`` as used at this config's kept fraction (the schedule's when ``None``)."""
-        return ratio_defaults(self.ratio).tail_rows if self.tail_rows is None else self.tail_rows
+    def scheduled(self, name: str):
+        """Option ``name`` (one of :data:`SCHEDULED`) as used at this config's kept fraction: the value
+        given, or the default model's schedule's when ``None`` (:func:`ratio_defaults`)."""
+        value = getattr(self, name)
+        return getattr(ratio_defaults(self.ratio), name) if value is None else value
 
     def for_model(self, model_id: str | None) -> "CompactionConfig":
-        """This config with ``lambda_m``, ``anchor_search`` and ``tail_rows`` set where they are
-        ``None``, to model ``model_id``'s defaults at ``ratio`` (:func:`ratio_defaults`). A compaction
-        runs the config resolved for its model, and results store that config's id; given values
-        are kept."""
+        """This config with the :data:`SCHEDULED` options set where they are ``None``, to model
+        ``model_id``'s defaults at ``ratio`` (:func:`ratio_defaults`). A compaction runs the config
+        resolved for its model, and results store that config's id; given values are kept."""
         step = ratio_defaults(self.ratio, model_id)
-        return dataclasses.replace(self, lambda_m=step.lambda_m if self.lambda_m is None else self.lambda_m,
-                                   anchor_search=step.anchor_search if self.anchor_search is None else self.anchor_search,
-                                   tail_rows=step.tail_rows if self.tail_rows is None else self.tail_rows)
+        return dataclasses.replace(self, **{name: getattr(step, name) if getattr(self, name) is None else getattr(self, name)
+                                            for name in SCHEDULED})
 
     def layer_method(self) -> LayerMethod:
-        return LayerMethod(self.method, self.merging_coefficient(), self.pooling, self.chunk_len, self.chunk_min_length, self.fit,
-                           anchor_search=self.anchor_search_used())
+        return LayerMethod(self.method, self.scheduled("lambda_m"), self.pooling, self.chunk_len, self.chunk_min_length,
+                           self.fit, anchor_search=self.scheduled("anchor_search"))
 
 
 _RUN_ONLY_FIELDS = ("ratio", "indexer")  # never change a result (the indexer has its own id)
 _INDEXER_ONLY_FIELDS = ("indexer_rows",)  # options only the learned indexer's method reads
 _ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "allocation", "min_head_fraction", "merge_rows", "anchor_search",
-                      "near_rows", "tail_rows")
+                      "tail_rows")
 _ARCKV_ONLY_FIT_FIELDS = ("scope", "witnesses")
 SCORE_SHRINK = 0.1  # ``shrink`` of corrected_scores when indexer_rows is a row count
 
@@ -279,12 +263,9 @@ def config_id(config: CompactionConfig) -> str:
     skip = set(_RUN_ONLY_FIELDS) | (set(_ARCKV_ONLY_FIELDS) if config.family == "am" else set())
     skip |= set(_INDEXER_ONLY_FIELDS) if config.method != "arckv" else set()
     options = {f.name: _canonical(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in skip}
-    if "lambda_m" in options:  # the coefficient used at this kept fraction: the schedule's or the one given
-        options["lambda_m"] = _canonical(float(config.merging_coefficient()))
-    if "anchor_search" in options:
-        options["anchor_search"] = config.anchor_search_used()  # resolved from the schedule where it decides
-    if "tail_rows" in options:
-        options["tail_rows"] = config.tail_rows_used()
+    for name in SCHEDULED:  # as used at this kept fraction: the schedule's or the value given
+        if name in options:
+            options[name] = _canonical(float(config.scheduled(name)) if name == "lambda_m" else config.scheduled(name))
     if config.family == "am":
         for name in ("gram_dtype", *_ARCKV_ONLY_FIT_FIELDS):  # AM always forms float64 products; no merge groups
             options["fit"].pop(name)

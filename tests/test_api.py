@@ -7,6 +7,7 @@ uncompressed attention outputs of held-out repeat queries.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -232,7 +233,7 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
         cache = compact(model, tok, text, "arckv-ha", 0.2, query_budget=40, seed=3)
     assert config.merge_rows >= 40  # merging on all budget rows here
     n = int(T * TAIL_FRACTION)  # the default's 512 tail rows, at most a quarter of the document
-    assert config.tail_rows_used() == 512 and n > 0
+    assert config.scheduled("tail_rows") == 512 and n > 0
     tail = _tail_queries(model, tok, text, n)
     N = T + n
     budget_pos = reference_positions(T, G, config)
@@ -259,7 +260,7 @@ def test_fused_default_against_brute_force(tiny_model, tiny_tokenizer):
             n_fit = max(n_fit, len(rows))
             Qh, Qm = Qs[i][h:h + 1, rows].float(), Qs[i][h:h + 1, base].float()
             Kh, Vh = K[i][h:h + 1], V[i][h:h + 1]
-            C_k, assign = merge_keys(Qm, Kh, anchors[None], None, layout.scaling, config.merging_coefficient())
+            C_k, assign = merge_keys(Qm, Kh, anchors[None], None, layout.scaling, config.scheduled("lambda_m"))
             alone = torch.bincount(assign[0], minlength=t)[None] == 1  # fit.scope="merged"
             n_alone += int(alone.sum())
             beta, _ = fit_beta(Qh, Kh, C_k, layout.scaling, config=config.fit, fixed=alone)
@@ -525,7 +526,7 @@ def test_config_id_covers_the_options_that_shape_a_result():
                                                                    tail_rows=0) != low
     for change in (dict(min_head_fraction=0.25), dict(lambda_m=0.0), dict(fit={"witnesses": False}), dict(seed=1),
                    dict(query_budget=512), dict(allocation="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
-                   dict(budget_weights=torch.ones(3, 2)), dict(merge_rows=None), dict(near_rows=True), dict(tail_rows=0),
+                   dict(budget_weights=torch.ones(3, 2)), dict(merge_rows=None), dict(tail_rows=0),
                    dict(fit=FitConfig(gram_dtype="float64")), dict(fit={"scope": "all"})):
         assert cid(method="arckv-ha", **change) != base, change
     assert cid(method="arckv-vi") != base
@@ -538,7 +539,7 @@ def test_config_id_covers_the_options_that_shape_a_result():
     assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) != cid(method="arckv-ha", budget_weights=2 * torch.ones(3, 2))
     am = cid(method="am-omp")
     assert am == cid(method="am-omp", min_head_fraction=0.25, lambda_m=0.0, allocation="fixed", merge_rows=7,
-                     near_rows=True, fit=FitConfig(gram_dtype="float64", witnesses=False, scope="all"))
+                     tail_rows=0, fit=FitConfig(gram_dtype="float64", witnesses=False, scope="all"))
     # the id of the AM defaults is the one stored with the AM results before the fused pipeline existed
     assert am == "0e60e218b55c" and cid(method="am-omp-fast") == "3492402276fb"
     assert am != cid(method="am-omp", query_budget=512) and am != cid(method="am-omp-fast")
@@ -574,19 +575,20 @@ def test_ratio_schedule_gives_the_defaults_and_explicit_options_win():
     """``lambda_m=None`` / ``anchor_search=None`` (defaults) take RATIO_SCHEDULE's step at the kept
     fraction: the step boundaries are inclusive, every kept fraction in (0, 1] is covered, and the
     layer method and the press both see the scheduled values; given options override them."""
-    from arckv_press.config import RATIO_SCHEDULE, ratio_defaults
+    from arckv_press.config import RATIO_SCHEDULE, SCHEDULED, RatioDefaults, ratio_defaults
     from arckv_press.presses import ARCKVPress
 
+    assert set(SCHEDULED) == {f.name for f in dataclasses.fields(RatioDefaults)} - {"lowest"}  # one list of them
     lowest = [step.lowest for step in RATIO_SCHEDULE]
     assert lowest == sorted(lowest, reverse=True) and lowest[-1] == 0.0  # every kept fraction is covered
     for ratio, search in ((1.0, "scores"), (0.1, "scores"), (0.05, "scores"), (0.0499, "omp"), (0.02, "omp"),
                           (0.01, "omp"), (1e-6, "omp")):
         assert ratio_defaults(ratio).anchor_search == search and ratio_defaults(ratio).lambda_m == 0.25, ratio
-        assert ratio_defaults(ratio).tail_rows == CompactionConfig(ratio=ratio).tail_rows_used() == (
+        assert ratio_defaults(ratio).tail_rows == CompactionConfig(ratio=ratio).scheduled("tail_rows") == (
             512 if ratio >= 0.1 else 0), ratio
         config = CompactionConfig(method="arckv-ha", ratio=ratio)
-        assert config.merging_coefficient() == config.layer_method().lambda_m == 0.25
-        assert config.anchor_search_used() == config.layer_method().anchor_search == search
+        assert config.scheduled("lambda_m") == config.layer_method().lambda_m == 0.25
+        assert config.scheduled("anchor_search") == config.layer_method().anchor_search == search
         press = ARCKVPress(ratio=ratio, selector="ha").compaction_config().layer_method()
         assert (press.lambda_m, press.anchor_search) == (0.25, search)
         given = CompactionConfig(method="arckv-ha", ratio=ratio, lambda_m=0.6, anchor_search="omp-fast").layer_method()

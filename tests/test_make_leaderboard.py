@@ -387,6 +387,26 @@ def test_rows_of_a_non_default_option_never_replace_the_defaults():
     at_low = {**base, "ratio": "0.02", "config_id": low, "date": "2026-02-01", "n": "low"}
     old_low = {**base, "ratio": "0.02", "config_id": ids["config_id"], "date": "2026-01-01", "n": "old"}
     assert readers.newest_rows([*default, at_low, old_low])[1] == [*default, at_low]
+    assert readers.newest_rows([option], strict=True) == ({"indexer": "", "config_id": ""}, [])
+
+
+def test_a_benchmark_not_rerun_after_a_default_change_shows_no_cell():
+    """Once a method has rows of its current defaults in one benchmark, its rows of earlier defaults
+    are left out of every benchmark, also where they are the only ones (a benchmark run at one kept
+    fraction, as RULER at 4K); another model's rows, with no current row anywhere, keep their newest."""
+    from arckv_press.models import DEFAULT_MODEL_ID
+    from arckv_press.registry import result_ids
+
+    ids = result_ids("arckv-ha", DEFAULT_MODEL_ID, 0.1)
+    base = {"method": "arckv-ha", "model": DEFAULT_MODEL_ID, "indexer": ids["indexer"], "ratio": "0.1"}
+    rerun = {**base, "benchmark": "needle", "config_id": ids["config_id"], "date": "2026-12-06"}
+    stale_needle = {**base, "benchmark": "needle", "config_id": "earlier00000", "date": "2026-12-01"}
+    stale_4k = {**base, "benchmark": "ruler_4k", "config_id": "earlier00000", "date": "2026-12-01"}
+    other = {**base, "model": "someone/else", "benchmark": "ruler_4k", "config_id": "theirs000000", "date": "2026-12-01"}
+    current, left_out = readers.current_rows([rerun, stale_needle, stale_4k, other])
+    assert current == [rerun, other] and left_out == [stale_needle, stale_4k]
+    # before any rerun, the earlier defaults' rows stay (each benchmark's newest)
+    assert readers.current_rows([stale_needle, stale_4k])[0] == [stale_needle, stale_4k]
 
 
 def test_bad_sources_are_refused_by_name(ml, tmp_path):

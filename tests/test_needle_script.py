@@ -56,7 +56,7 @@ def test_needle_rows_of_another_indexer_checkpoint_or_config_are_left_out(tmp_pa
     assert line.split()[4:6] == ["1", "0.00"]  # the default model's one case (missed), not Gemma 3's
     needle.write_depth_tables(path, tmp_path / "depths.md")
     text = (tmp_path / "depths.md").read_text()
-    assert DEFAULT_MODEL_ID in text and gemma not in text and "| `snapkv` | 0/1 |" in text
+    assert DEFAULT_MODEL_ID in text and gemma not in text and "| `snapkv` | 1K | 0/1 |" in text
     assert [p.name for p in needle.plot(path, tmp_path, model=gemma)] == ["needle_gemma-3-270m_rho0.1.png"]
     assert [p.name for p in needle.plot(path, tmp_path)] == ["needle_rho0.1.png"]
 
@@ -269,9 +269,9 @@ def test_old_needle_csv_gains_the_framing_column_unchanged_otherwise(tmp_path):
 
 
 def test_depth_table_counts_every_case_of_each_depth():
-    """Each cell is found / cases over every length and seed of that depth (brute-force count), the
-    full cache comes first, other kept fractions and framings are left out, and a loss at one depth
-    shows in its own column."""
+    """Each cell is found / cases over the seeds of one length and depth, with one more row over every
+    length (brute-force counts), the full cache comes first, other kept fractions and framings are
+    left out, and a loss at one depth shows in its own column."""
     import random
 
     needle = load_script("needle")
@@ -285,22 +285,29 @@ def test_depth_table_counts_every_case_of_each_depth():
                         correct = int(rng.random() < 0.6) if not (method == "arckv" and depth == "0.9") else 0
                         rows.append({"method": method, "ratio": ratio, "depth": depth, "length": length, "seed": seed,
                                      "framing": framing, "correct": str(correct)})
+    rows.append({"method": "snapkv", "ratio": "0.1", "depth": "0.1", "length": "4000", "seed": "0",
+                 "framing": "pipeline", "correct": "1"})  # one length with one depth only
     table = needle.depth_table(rows, 0.1, "pipeline")
     lines = table.splitlines()
-    assert lines[0] == "| method | 10% | 90% | all |"
-    body = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in lines[2:] if line.startswith("| ")}
-    assert list(body) == ["full cache", "`arckv`", "`snapkv`"]
+    assert lines[0] == "| method | length | 10% | 90% | all |"
+    body = [line.split(" | ") for line in lines[2:] if line.startswith("| ")]
+    assert [(b[0][2:], b[1]) for b in body] == [
+        (name, n) for name in ("full cache", "`arckv`") for n in ("1K", "1.5K", "all")] + [
+        ("`snapkv`", n) for n in ("1K", "1.5K", "4K", "all")]
 
-    def count(method, ratio, depth):
+    def count(method, ratio, depth, length):
         sel = [int(r["correct"]) for r in rows if r["method"] == method and r["ratio"] == ratio
-               and r["framing"] == "pipeline" and (depth is None or r["depth"] == depth)]
-        return f"{sum(sel)}/{len(sel)}"
+               and r["framing"] == "pipeline" and (depth is None or r["depth"] == depth)
+               and (length is None or r["length"] == length)]
+        return f"{sum(sel)}/{len(sel)}" if sel else "-"
 
-    for name, method, ratio in (("full cache", "none", "1"), ("`arckv`", "arckv", "0.1"), ("`snapkv`", "snapkv", "0.1")):
-        assert body[name][:2] == [count(method, ratio, "0.1"), count(method, ratio, "0.9")]
-        assert body[name][2] == count(method, ratio, None) + " |"
-    assert body["`arckv`"][1] == "0/6"
-    assert "lengths 1K, 1.5K" in table
+    for b in body:
+        method = {"full cache": "none", "`arckv`": "arckv", "`snapkv`": "snapkv"}[b[0][2:]]
+        ratio = "1" if method == "none" else "0.1"
+        length = {"1K": "1000", "1.5K": "1500", "4K": "4000", "all": None}[b[1]]
+        assert b[2:5] == [count(method, ratio, "0.1", length), count(method, ratio, "0.9", length),
+                          count(method, ratio, None, length) + " |"]
+    assert body[3][:2] == ["| `arckv`", "1K"] and body[3][3] == "0/3"  # the loss shows at 90%, at each length
 
 
 def test_pipeline_framing_asks_a_base_model_as_a_completion(tiny_model, tiny_tokenizer):

@@ -64,11 +64,11 @@ def test_stage_options_override_the_runs_and_merge_fit_fields():
     from arckv_press.compaction.fit import FitConfig
 
     evict = dict(STAGES)["evict"]
-    got = stage_options({"near_rows": True, "lambda_m": 0.5, "fit": {"b_min": 0.0, "ridge_v": 0.1}}, evict)
-    assert got == {"near_rows": True, "lambda_m": 0.0, "fit": {"b_min": -1e-6, "ridge_v": 0.1, "values": "anchor",
+    got = stage_options({"tail_rows": 0, "lambda_m": 0.5, "fit": {"b_min": 0.0, "ridge_v": 0.1}}, evict)
+    assert got == {"tail_rows": 0, "lambda_m": 0.0, "fit": {"b_min": -1e-6, "ridge_v": 0.1, "values": "anchor",
                                                                "b_max": 0.0}}
     assert stage_options({"fit": FitConfig(ridge_v=0.5)}, evict)["fit"]["ridge_v"] == 0.5
-    assert stage_options({"near_rows": True}, dict(STAGES)["+merge"]) == {"near_rows": True}
+    assert stage_options({"tail_rows": 0}, dict(STAGES)["+merge"]) == {"tail_rows": 0}
     assert [name for name, _ in STAGES] == ["evict", "+mass", "+values", "+merge"]
 
 

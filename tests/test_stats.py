@@ -388,48 +388,6 @@ def _assert_rows_after(st, q: torch.Tensor, layer, scaling: float, P: int, T: in
     torch.testing.assert_close(st.scores.double(), torch.softmax(L, -1).square().mean(1).sqrt(), atol=1e-6, rtol=1e-4)
 
 
-def test_near_rows_are_the_copies_queries_moved_after_the_document(tiny_model, tiny_tokenizer):
-    """``near_positions`` appends, after the document's rows, the repeated
-    copy's query of each given position moved to just after the document: it equals the layer's own
-    query projection of that copy's hidden state with the rotary embedding of position
-    ``prefix + T + (k mod n_instruction)`` (computed independently from ``q_proj`` and the model's
-    rotary module), and its statistics equal float64 softmax attention over the document keys. The
-    other rows are exactly those of the pass without near rows."""
-    from arckv_press.capture import REPEAT_PROMPT, encode_document, framing_for, prefill, repeat_prefill_stats
-
-    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
-    ids, P = encode_document(tok, "a short document about the north gate and its code " * 4)
-    T = ids.shape[1] - P
-    suffix = framing_for(tok).suffix_ids
-    n_instr = len(tok.encode(REPEAT_PROMPT, add_special_tokens=False) + suffix)
-    near = torch.tensor([0, 3, 7, T - 2, T - 1])
-    every = torch.arange(T)
-    with torch.no_grad():
-        cache = prefill(model, ids)
-        args = (model, tok, cache, ids[:, P:], suffix, [0, 1], P, "ha", "rms", every, 16)
-        plain = repeat_prefill_stats(*args)
-        cap = repeat_prefill_stats(*args, near_positions=near)
-        assert cap.n_near == near.numel()
-        for i in (0, 1):
-            attn = model.model.layers[i].self_attn
-            st, st0 = cap.stats[i], plain.stats[i]
-            N0 = T
-            assert (st.N, st0.N) == (N0 + near.numel(), N0)
-            q = torch.cat(cap.store.q[i], 1)
-            assert torch.equal(q[:, :N0], torch.cat(plain.store.q[i], 1))
-            for name in ("row_max", "row_lse", "row_out"):
-                assert torch.equal(getattr(st, name)[:, :, :N0], getattr(st0, name))
-            # independent reference: q_proj of the copy's hidden state, RoPE at the target position
-            x = torch.cat(cap.store.x[i], 0)[near]
-            q0 = attn.q_proj(x).view(near.numel(), -1, attn.head_dim).transpose(0, 1)[None]
-            target = P + T + torch.arange(near.numel()) % n_instr
-            cos, sin = model.model.rotary_emb(x[None], target[None])
-            ref = (q0 * cos[:, None] + torch.cat([-q0[..., q0.shape[-1] // 2:], q0[..., : q0.shape[-1] // 2]], -1)
-                   * sin[:, None])[0]
-            torch.testing.assert_close(q[:, N0:], ref, atol=1e-5, rtol=1e-5)
-            _assert_rows_after(st, q, cache.layers[i], float(attn.scaling), P, T, N0)
-
-
 def test_tail_rows_are_a_short_repeat_of_the_document_end(tiny_model, tiny_tokenizer):
     """``tail_rows=W`` appends, after the document's rows, the queries of one more forward: the
     instruction to repeat "starting with" the 8 tokens before the last W, the suffix, then the last W
@@ -479,16 +437,15 @@ def test_tail_rows_are_a_short_repeat_of_the_document_end(tiny_model, tiny_token
 
 
 def test_tail_rows_of_the_budget_positions_join_the_fit_rows():
-    """``api.extra_rows``: after the T document rows, the near rows hold every position (row T + p),
-    then the tail rows hold the last ``n_tail`` positions (row T + n_near + p - (T - n_tail))."""
+    """``api.extra_rows``: after the T document rows, the tail rows hold the last ``n_tail`` positions
+    (row T + p - (T - n_tail)); budget positions before them have none."""
     from arckv_press.api import extra_rows
 
     pos = torch.tensor([0, 5, 17, 18, 19])
-    assert extra_rows(pos, 20, 0, 0).tolist() == []
-    assert extra_rows(pos, 20, 20, 0).tolist() == [20, 25, 37, 38, 39]
-    assert extra_rows(pos, 20, 0, 4).tolist() == [20 + 1, 20 + 2, 20 + 3]
-    assert extra_rows(pos, 20, 20, 4).tolist() == [20, 25, 37, 38, 39, 40 + 1, 40 + 2, 40 + 3]
-    assert extra_rows(pos, 20, 0, 20).tolist() == [20, 25, 37, 38, 39]
+    assert extra_rows(pos, 20, 0).tolist() == []
+    assert extra_rows(pos, 20, 4).tolist() == [20 + 1, 20 + 2, 20 + 3]
+    assert extra_rows(pos, 20, 20).tolist() == [20, 25, 37, 38, 39]
+    assert extra_rows(pos[:2], 20, 4).tolist() == []
 
 
 def test_tail_rows_option_checks_and_id():
@@ -506,12 +463,10 @@ def test_tail_rows_option_checks_and_id():
     assert config_id(CompactionConfig(method="am-omp", tail_rows=512)) == config_id(CompactionConfig(method="am-omp"))
 
 
-def test_near_rows_option_checks_and_id():
-    """``near_rows`` is a bool and has an id of its own."""
-    from arckv_press.config import CompactionConfig, config_id
+def test_retired_near_rows_option_is_refused():
+    """``near_rows`` (the copies' queries moved after the document, a study superseded by the tail rows)
+    is retired: passing it is an error, not a silently ignored option."""
+    from arckv_press.config import CompactionConfig
 
-    assert config_id(CompactionConfig()) == config_id(CompactionConfig(near_rows=False))
-    assert config_id(CompactionConfig()) != config_id(CompactionConfig(near_rows=True))
     with pytest.raises(TypeError, match="near_rows"):
-        CompactionConfig(near_rows=1)
-    CompactionConfig(method="am-omp", near_rows=True)  # Attention Matching ignores ARC-KV's options
+        CompactionConfig(near_rows=True)

@@ -352,31 +352,36 @@ def summary(csv_path: Path, options: dict | None = None, indexer: str | None = N
 
 
 def depth_table(rows: list[dict], ratio: float, framing: str) -> str:
-    """Markdown recall by needle depth at kept fraction ``ratio``: one row per method (the full cache
-    first), one column per depth, each cell ``found/cases`` over every length and seed of that depth,
-    so that a weakness at one depth cannot hide in a total. ``rows``: current rows (:func:`current_rows`)."""
+    """Markdown recall by needle depth at kept fraction ``ratio``: per method (the full cache first)
+    one row per context length and, when it has several, one row over all of them; one column per
+    depth, each cell ``found/cases`` over the seeds of that length and depth, so that a weakness at
+    one depth or one length cannot hide in a total. ``rows``: current rows (:func:`current_rows`)."""
     order = {name: i for i, name in enumerate(("none",) + DEFAULT_METHODS)}
-    cells: dict[tuple[str, float], list[int]] = defaultdict(list)
-    lengths: set[int] = set()
+    cells: dict[tuple[str, int, float], list[int]] = defaultdict(list)
     for r in rows:
         if framing_of(r) != framing or (r["method"] != "none" and not math.isclose(float(r["ratio"]), ratio)):
             continue
-        cells[(r["method"], float(r["depth"]))].append(int(r["correct"]))
-        lengths.add(int(r["length"]))
+        cells[(r["method"], int(r["length"]), float(r["depth"]))].append(int(r["correct"]))
     if not cells:
         return f"(no {framing}-framed rows at keep {ratio:g})\n"
-    depths = sorted({d for _, d in cells})
-    methods = sorted({m for m, _ in cells}, key=lambda m: (order.get(m, 99), m))
-    lines = ["| method | " + " | ".join(f"{100 * d:g}%" for d in depths) + " | all |",
-             "|---|" + "---:|" * (len(depths) + 1)]
-    for m in methods:
-        got = [cells.get((m, d), []) for d in depths]
+    depths = sorted({d for _, _, d in cells})
+    methods = sorted({m for m, _, _ in cells}, key=lambda m: (order.get(m, 99), m))
+    lines = ["| method | length | " + " | ".join(f"{100 * d:g}%" for d in depths) + " | all |",
+             "|---|---:|" + "---:|" * (len(depths) + 1)]
+
+    def line(name: str, length: str, got: list[list[int]]) -> str:
         total = [x for g in got for x in g]
+        return (f"| {name} | {length} | " + " | ".join(f"{sum(g)}/{len(g)}" if g else "-" for g in got)
+                + f" | {sum(total)}/{len(total)} |")
+
+    for m in methods:
         name = "full cache" if m == "none" else f"`{m}`"
-        lines.append(f"| {name} | " + " | ".join(f"{sum(g)}/{len(g)}" if g else "-" for g in got)
-                     + f" | {sum(total)}/{len(total)} |")
-    span = ", ".join(f"{n / 1000:g}K" for n in sorted(lengths))
-    return "\n".join(lines) + f"\n\n({framing} framing, keep {ratio:g}; lengths {span}; cells: needles found / cases)\n"
+        lengths = sorted({n for mm, n, _ in cells if mm == m})
+        for n in lengths:
+            lines.append(line(name, f"{n / 1000:g}K", [cells.get((m, n, d), []) for d in depths]))
+        if len(lengths) > 1:
+            lines.append(line(name, "all", [[x for n in lengths for x in cells.get((m, n, d), [])] for d in depths]))
+    return "\n".join(lines) + f"\n\n({framing} framing, keep {ratio:g}; cells: needles found / cases)\n"
 
 
 def write_depth_tables(csv_path: Path, out: Path, options: dict | None = None, indexer: str | None = None,

@@ -20,7 +20,7 @@ the context with a method and compares it with the full cache of the same prefil
    (:func:`needle_kept`), so the step that loses a needle is the first row whose answer is wrong.
 
     python scripts/needle_stages.py --seed 4 --depth 0.9 --method arckv-ha
-    python scripts/needle_stages.py --seed 4 --depth 0.9 --method arckv-ha --layer 8 --option near_rows=True
+    python scripts/needle_stages.py --seed 4 --depth 0.9 --method arckv-ha --layer 8 --option tail_rows=0
     python scripts/needle_stages.py --stages --method arckv --length 1500 --seeds 3 4 5 --depths 0.8 0.9 0.95 \
         --out leaderboards/studies/needle_end_stages.csv
     python scripts/needle_stages.py --stages --only +merge --method arckv --length 1500 --seeds 3 4 5

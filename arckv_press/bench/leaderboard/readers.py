@@ -293,40 +293,54 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
 
 
 # ---------------------------------------------------------------------------- which rows are current
-def newest_rows(rows: list[dict]) -> tuple[dict[str, str], list[dict]]:
-    """The indexer checkpoint id and compaction config id of the method's rows to report, and the
-    rows made with them (never mix checkpoints or configurations): the rows made with the ids the
-    method uses now by default at their kept fraction (:func:`arckv_press.registry.result_ids`; a
-    default may depend on the kept fraction, as ``lambda_m`` does) when some rows carry them, so
-    that rows made with a non-default option (``--option``) never replace the default's; otherwise
-    the rows with the newest row's ids. The ids returned are those of the newest row reported."""
+_ID_KEYS = ("indexer", "config_id")
+
+
+def _is_default(r: dict) -> bool:
+    """Whether row ``r`` was made with the ids its method uses now by default at its kept fraction
+    (:func:`arckv_press.registry.result_ids`; a default may depend on the kept fraction, as
+    ``lambda_m`` does); methods outside the registry have none."""
     from arckv_press.methods import METHODS
     from arckv_press.registry import result_ids
 
-    method, model = rows[0].get("method"), rows[0].get("model")
+    method, model = r.get("method"), r.get("model")
+    return bool(method in METHODS and model) and {key: r.get(key) or "" for key in _ID_KEYS} == result_ids(
+        method, model, float(r.get("ratio") or 1.0))
+
+
+
+def newest_rows(rows: list[dict], strict: bool = False) -> tuple[dict[str, str], list[dict]]:
+    """The indexer checkpoint id and compaction config id of the method's rows to report, and the
+    rows made with them (never mix checkpoints or configurations): the rows made with the ids the
+    method uses now by default (:func:`_is_default`) when some rows carry them, so that rows made
+    with a non-default option (``--option``) never replace the default's; otherwise, unless
+    ``strict``, the rows with the newest row's ids (``strict``: none). The ids returned are those of
+    the newest row reported (empty when none is)."""
     if len({(r.get("method"), r.get("model")) for r in rows}) > 1:
         raise ValueError("newest_rows takes the rows of one model and method")
-    keys = ("indexer", "config_id")
-    ids_of = lambda r: {key: r.get(key) or "" for key in keys}  # noqa: E731
-    if method in METHODS and model:
-        matching = [r for r in rows if ids_of(r) == result_ids(method, model, float(r.get("ratio") or 1.0))]
-        if matching:
-            return ids_of(max(matching, key=lambda r: r["date"])), matching
-    newest = ids_of(max(rows, key=lambda r: r["date"]))
-    return newest, [r for r in rows if ids_of(r) == newest]
+    ids_of = lambda r: {key: r.get(key) or "" for key in _ID_KEYS}  # noqa: E731
+    chosen = [r for r in rows if _is_default(r)]
+    if not chosen and not strict:
+        newest = ids_of(max(rows, key=lambda r: r["date"]))
+        chosen = [r for r in rows if ids_of(r) == newest]
+    return (ids_of(max(chosen, key=lambda r: r["date"])) if chosen else dict.fromkeys(_ID_KEYS, "")), chosen
 
 
 def current_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """``(current, other)``: rows of a (model, benchmark, method) made with another indexer
     checkpoint or other compaction options than :func:`newest_rows` reports are left out of the
     table and the plots (a new checkpoint or default is rerun one kept fraction at a time), so a
-    method's line never mixes two configurations. Order is kept."""
+    method's line never mixes two configurations. Once a (model, method) has a row made with its
+    current defaults in any benchmark, its rows of earlier defaults are left out in every benchmark
+    (``strict``): a benchmark not yet rerun shows no cell rather than the earlier defaults' figure.
+    Order is kept."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["model"], r["benchmark"], r["method"])].append(r)
+    rerun = {(r["model"], r["method"]) for r in rows if _is_default(r)}
     kept: set[int] = set()
-    for rs in groups.values():
-        kept.update(id(r) for r in newest_rows(rs)[1])
+    for (model, _, method), rs in groups.items():
+        kept.update(id(r) for r in newest_rows(rs, strict=(model, method) in rerun)[1])
     return [r for r in rows if id(r) in kept], [r for r in rows if id(r) not in kept]
 
 
