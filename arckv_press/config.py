@@ -207,19 +207,18 @@ class CompactionConfig:
         """``"arckv"`` or ``"am"`` (:class:`~arckv_press.methods.Method`)."""
         return lookup_method(self.method, ours=True).family
 
-    def scheduled(self, name: str):
+    def scheduled(self, name: str, model_id: str | None = None):
         """Option ``name`` (one of :data:`SCHEDULED`) as used at this config's kept fraction: the value
-        given, or the default model's schedule's when ``None`` (:func:`ratio_defaults`)."""
+        given, or model ``model_id``'s schedule's when ``None`` (:func:`ratio_defaults`; ``None``:
+        the default model's)."""
         value = getattr(self, name)
-        return getattr(ratio_defaults(self.ratio), name) if value is None else value
+        return getattr(ratio_defaults(self.ratio, model_id), name) if value is None else value
 
     def for_model(self, model_id: str | None) -> "CompactionConfig":
         """This config with the :data:`SCHEDULED` options set where they are ``None``, to model
         ``model_id``'s defaults at ``ratio`` (:func:`ratio_defaults`). A compaction runs the config
         resolved for its model, and results store that config's id; given values are kept."""
-        step = ratio_defaults(self.ratio, model_id)
-        return dataclasses.replace(self, **{name: getattr(step, name) if getattr(self, name) is None else getattr(self, name)
-                                            for name in SCHEDULED})
+        return dataclasses.replace(self, **{name: self.scheduled(name, model_id) for name in SCHEDULED})
 
     def layer_method(self) -> LayerMethod:
         return LayerMethod(self.method, self.scheduled("lambda_m"), self.pooling, self.chunk_len, self.chunk_min_length,

@@ -296,6 +296,11 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
 _ID_KEYS = ("indexer", "config_id")
 
 
+def _ids_of(r: dict) -> dict[str, str]:
+    """A row's indexer checkpoint id and compaction config id (empty when it has none)."""
+    return {key: r.get(key) or "" for key in _ID_KEYS}
+
+
 def _is_default(r: dict) -> bool:
     """Whether row ``r`` was made with the ids its method uses now by default at its kept fraction
     (:func:`arckv_press.registry.result_ids`; a default may depend on the kept fraction, as
@@ -304,26 +309,24 @@ def _is_default(r: dict) -> bool:
     from arckv_press.registry import result_ids
 
     method, model = r.get("method"), r.get("model")
-    return bool(method in METHODS and model) and {key: r.get(key) or "" for key in _ID_KEYS} == result_ids(
-        method, model, float(r.get("ratio") or 1.0))
+    return bool(method in METHODS and model) and _ids_of(r) == result_ids(method, model, float(r.get("ratio") or 1.0))
 
 
-
-def newest_rows(rows: list[dict], strict: bool = False) -> tuple[dict[str, str], list[dict]]:
+def newest_rows(rows: list[dict], strict: bool = False, is_default=_is_default) -> tuple[dict[str, str], list[dict]]:
     """The indexer checkpoint id and compaction config id of the method's rows to report, and the
     rows made with them (never mix checkpoints or configurations): the rows made with the ids the
     method uses now by default (:func:`_is_default`) when some rows carry them, so that rows made
     with a non-default option (``--option``) never replace the default's; otherwise, unless
     ``strict``, the rows with the newest row's ids (``strict``: none). The ids returned are those of
-    the newest row reported (empty when none is)."""
+    the newest row reported (empty when none is). ``is_default``: the test of a row (a caller that
+    has already asked :func:`_is_default` of every row passes its answers)."""
     if len({(r.get("method"), r.get("model")) for r in rows}) > 1:
         raise ValueError("newest_rows takes the rows of one model and method")
-    ids_of = lambda r: {key: r.get(key) or "" for key in _ID_KEYS}  # noqa: E731
-    chosen = [r for r in rows if _is_default(r)]
+    chosen = [r for r in rows if is_default(r)]
     if not chosen and not strict:
-        newest = ids_of(max(rows, key=lambda r: r["date"]))
-        chosen = [r for r in rows if ids_of(r) == newest]
-    return (ids_of(max(chosen, key=lambda r: r["date"])) if chosen else dict.fromkeys(_ID_KEYS, "")), chosen
+        newest = _ids_of(max(rows, key=lambda r: r["date"]))
+        chosen = [r for r in rows if _ids_of(r) == newest]
+    return (_ids_of(max(chosen, key=lambda r: r["date"])) if chosen else dict.fromkeys(_ID_KEYS, "")), chosen
 
 
 def current_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -337,10 +340,11 @@ def current_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["model"], r["benchmark"], r["method"])].append(r)
-    rerun = {(r["model"], r["method"]) for r in rows if _is_default(r)}
+    defaults = {id(r) for r in rows if _is_default(r)}  # one registry lookup per row
+    rerun = {(r["model"], r["method"]) for r in rows if id(r) in defaults}
     kept: set[int] = set()
     for (model, _, method), rs in groups.items():
-        kept.update(id(r) for r in newest_rows(rs, strict=(model, method) in rerun)[1])
+        kept.update(id(r) for r in newest_rows(rs, strict=(model, method) in rerun, is_default=lambda r: id(r) in defaults)[1])
     return [r for r in rows if id(r) in kept], [r for r in rows if id(r) not in kept]
 
 
