@@ -173,9 +173,13 @@ class StatsCapture:
 
     The document is ``doc_len`` keys after ``prefix_len`` prefix keys in every forward's cache; the
     captured rows are the last ``n`` input tokens of a forward (set with :meth:`expect`) and are
-    document positions ``start .. start + n - 1``. Other layers and forwards run the model's own
-    attention unchanged. Use as a context manager: it switches the model's attention implementation
-    and restores it on exit.
+    rows ``start .. start + n - 1``: document positions for the copy's rows, ``doc_len ..`` for the
+    tail rows (``tail``: a second, short repeat of the document's last positions, read from nearby,
+    as a question reads the end of the document, where the whole copy reads every position from a
+    document away; heads that read only nearby text see the end of the document in these rows
+    alone). Every row's statistics are over the document only. Other layers and forwards run the
+    model's own attention unchanged. Use as a context manager: it switches the model's attention
+    implementation and restores it on exit.
     """
 
     def __init__(self, model, layers: list[int], prefix_len: int, doc_len: int, selector: str = "ha",
@@ -193,11 +197,12 @@ class StatsCapture:
         self.stats: dict[int, ReferenceStats] = {}
         self.stats_seconds = 0.0  # time spent accumulating statistics (scores, witness search, targets)
         self.store = CapturedQueries()
-        self._rows: tuple[int, int] | None = None  # (document start, rows captured) of the next forward
+        self._rows: tuple[int, int] | None = None  # (first row, rows captured) of the next forward
         self._previous: str | None = None
         self._handles: list = []
 
     def expect(self, start: int, n: int) -> None:
+        """The next forward's last ``n`` input tokens are rows ``start .. start + n - 1``."""
         self._rows = (start, n)
 
     def __enter__(self) -> "StatsCapture":
@@ -223,49 +228,15 @@ class StatsCapture:
         _ACTIVE.remove(self)
         self.model.set_attn_implementation(self._previous)
 
-    def _append_rows(self, cache, idx: int, q: torch.Tensor, first: int) -> None:
-        """Add the rows ``q [H_kv, G, n, D]`` (post-RoPE) to layer ``idx``'s statistics as rows
-        ``first .. first + n - 1`` and to ``store.q``. Their statistics are over the document only (as
-        every row's), so they need only the document's keys: ``cache`` holds the prefix and the
-        document (restored after the pass)."""
-        stats = self.stats[idx]
-        lo, hi = self.prefix_len, self.prefix_len + self.doc_len
-        keys, values = cache.layers[idx].keys[0, :, :hi], cache.layers[idx].values[0, :, :hi]
-        V_doc = values[:, lo:hi]
-        t0 = time.perf_counter()
-
-        def on_block(a, blk):
-            stats.update(first + a, blk, V_doc)
-
-        split_attention(q, keys, values, (lo, hi), self._scaling[idx], 0, stats.block, on_block=on_block,
-                        keep_logits=stats.needs_logits)
-        self.stats_seconds += time.perf_counter() - t0
-        Hkv, G, n, D = q.shape
-        self.store.q[idx].append(q.reshape(Hkv * G, n, D).to(self.store.q[idx][0].dtype))
-
-    def add_tail_rows(self, cache, tail: CapturedQueries) -> None:
-        """Append the tail rows to each layer's statistics, after the document's rows:
-        the post-RoPE queries ``tail.q`` of the tail copy (:func:`repeat_prefill_stats`), a second
-        repeat of the document's last ``n_tail`` positions that sits right after the document. It
-        reads them from a few hundred positions away, as a question reads the end of the document,
-        where the whole copy reads every position from a document away; heads that read only nearby
-        text see the end of the document in these rows alone. Their statistics are over the
-        document only, as every row's (``cache`` holds the prefix and the document)."""
-        if not self.n_tail:
-            return
-        for idx in self.layers:
-            q = torch.cat(tail.q.pop(idx), dim=1)  # [Hq, n_tail, D]
-            Hkv = cache.layers[idx].keys.shape[1]
-            self._append_rows(cache, idx, q.view(Hkv, q.shape[0] // Hkv, self.n_tail, -1), self.doc_len)
-
     def _x_hook(self, layer_idx: int):
         def hook(module, args, kwargs):
             if self._rows is not None:
                 start, n = self._rows
                 hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
                 pos = self.x_positions[(self.x_positions >= start) & (self.x_positions < start + n)]
-                rows = (pos - start + hidden.shape[1] - n).to(hidden.device)
-                self.store.x.setdefault(layer_idx, []).append(hidden[0, rows].detach())
+                if pos.numel():  # never in the tail forward (its rows start at doc_len)
+                    rows = (pos - start + hidden.shape[1] - n).to(hidden.device)
+                    self.store.x.setdefault(layer_idx, []).append(hidden[0, rows].detach())
             return None
 
         return hook
@@ -410,28 +381,21 @@ def repeat_prefill_stats(
     it is restored afterwards. Returns the capture: ``stats[layer]`` and ``store`` (queries, and the
     ``q_proj`` inputs at ``x_positions``), rows in position order. ``block``: query rows per block
     of the statistics (:class:`~arckv_press.compaction.stats.ReferenceStats`' default).
-    ``tail_rows``: the tail rows (:meth:`StatsCapture.add_tail_rows`), rows ``T ..`` after the
-    document's: one
+    ``tail_rows``: the tail rows (:class:`StatsCapture`), rows ``T ..`` after the document's: one
     more forward repeats the document's last ``min(tail_rows, T * TAIL_FRACTION)`` tokens
-    (:func:`repeat_span`)."""
+    (:func:`repeat_span`), its statistics gathered by its own attention as the copy's are."""
     if cache.get_seq_length() != prefix_len + doc_ids.shape[-1]:
         raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, expected prefix {prefix_len} + "
                          f"document {doc_ids.shape[-1]}")
     cap = StatsCapture(model, layers, prefix_len, doc_ids.shape[-1], selector, pooling, x_positions, block,
                        tail_rows)
-    tail = CapturedQueries()
     with cap:
         def forward(start: int, n: int, ids: torch.Tensor, is_tail: bool) -> None:
-            if is_tail:  # the model's own attention; its queries only are kept
-                with QueryCapture(model, layers, tail) as qc:
-                    prefill(model, ids, cache, qc, rows=torch.arange(ids.shape[-1] - n, ids.shape[-1]))
-                return
-            cap.expect(start, n)
+            cap.expect(cap.doc_len if is_tail else start, n)  # the tail rows follow the document's
             prefill(model, ids, cache)
             cap._rows = None
 
         _repeat_forwards(model, tokenizer, cache, doc_ids, suffix_ids, chunk_size, progress, forward, cap.n_tail)
-    cap.add_tail_rows(cache, tail)
     for stats in cap.stats.values():
         stats.result()
     return cap

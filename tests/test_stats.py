@@ -395,8 +395,8 @@ def test_tail_rows_are_a_short_repeat_of_the_document_end(tiny_model, tiny_token
     forward (computed independently: the model's hidden states, ``input_layernorm``, ``q_proj`` and
     the rotary module at the positions after the context), and its statistics equal float64
     softmax attention over the document keys; the scores pool the document's rows and the tail rows.
-    The document's rows are exactly those of the pass without tail rows; at most a quarter of the
-    document is repeated."""
+    The document's rows (queries, statistics, ``q_proj`` inputs) are exactly those of the pass
+    without tail rows; at most a quarter of the document is repeated."""
     import copy
 
     from conftest import forward_queries
@@ -420,6 +420,11 @@ def test_tail_rows_are_a_short_repeat_of_the_document_end(tiny_model, tiny_token
             assert other.n_tail == T // 4 == int(T * TAIL_FRACTION) and other.stats[0].N == T + T // 4
         assert W < T // 4
         assert cache.get_seq_length() == ids.shape[1]  # restored to the context
+        # the tail forward's rows are not document positions: it adds no q_proj inputs
+        every = torch.arange(T)
+        xs = [repeat_prefill_stats(*args[:9], every, 16, tail_rows=w).store.x for w in (0, W)]
+        for i in (0, 1):
+            assert torch.equal(torch.cat(xs[1][i]), torch.cat(xs[0][i])) and torch.cat(xs[0][i]).shape[0] == T
         # the tail forward, independently: its ids, then the model's hidden state at every layer
         span = torch.cat([torch.tensor([tok.encode(REPEAT_CHUNK_PROMPT, add_special_tokens=False)]),
                           doc[:, T - W - 8:T - W], torch.tensor([suffix]), doc[:, T - W:]], 1)
