@@ -189,7 +189,6 @@ class StatsCapture:
         # tail rows: a second, short copy of the document's last positions, read from nearby: at most
         # ``tail`` of them and at most TAIL_FRACTION of the document
         self.n_tail = min(check_positive_int(tail, "tail"), int(doc_len * TAIL_FRACTION)) if tail != 0 else 0
-        self._scaling: dict[int, float] = {}  # per layer: the softmax scale its attention was called with
         self.block = check_positive_int(block, "block")  # query rows per statistics block
         self.prefix_len, self.doc_len = prefix_len, doc_len
         self.selector, self.pooling = selector, pooling
@@ -260,7 +259,6 @@ class StatsCapture:
             stats = self.stats[idx] = ReferenceStats(Hkv, G, self.doc_len + self.n_tail, self.doc_len,
                                                      value.shape[-1], self.selector, self.pooling, query.device,
                                                      block=self.block)
-        self._scaling[idx] = scaling
         V_doc = value[0, :, lo:hi]
         new = causal_part(q, key[0, :, hi:], value[0, :, hi:], scaling)     # None off the CPU: blockwise below
         cut = (lambda sl: None) if new is None else (lambda sl: (new[0][:, :, sl], new[1][:, :, sl]))
