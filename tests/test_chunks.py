@@ -173,17 +173,20 @@ def test_one_chunk_is_the_unchunked_path():
 
 
 @pytest.mark.model
-def test_one_chunk_is_the_unchunked_path_on_the_default_model(default_model_fp32):
+@pytest.mark.parametrize("anchor_search", ["scores", "omp"])
+def test_one_chunk_is_the_unchunked_path_on_the_default_model(default_model_fp32, anchor_search):
     """On real captured layers of the default model (every layer, about 500 tokens), the compaction
-    with one chunk over the whole document through the chunked code equals today's unchunked one."""
+    with one chunk over the whole document through the chunked code equals today's unchunked one,
+    with either anchor search (the top-t of the scores, or OMP's)."""
     from arckv_press.api import compact
     from tests.conftest import make_text
 
     model, tok = default_model_fp32
     text = make_text(2400, seed=3)
     with torch.inference_mode():
-        ref = compact(model, tok, text, "arckv-ha", 0.1)
-        one = compact(model, tok, text, "arckv-ha", 0.1, chunk_len=100_000, chunk_min_length=0)
+        ref = compact(model, tok, text, "arckv-ha", 0.1, anchor_search=anchor_search)
+        one = compact(model, tok, text, "arckv-ha", 0.1, anchor_search=anchor_search, chunk_len=100_000,
+                      chunk_min_length=0)
     for a, b in zip(ref.compact_layers, one.compact_layers):
         assert torch.equal(a.lengths, b.lengths)
         torch.testing.assert_close(b.ck, a.ck, rtol=0, atol=1e-5)

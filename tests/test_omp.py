@@ -482,3 +482,77 @@ def test_layer_step_searches_omp_anchors_on_its_budget_rows():
     other = compact_layer_from_stats(K, V, Q, st, budgets, 0.3, method, grouped_rows(torch.arange(N), N, G))
     assert any(set(res.anchors[h, res.valid[h]].tolist()) != set(other.anchors[h, other.valid[h]].tolist())
                for h in range(2))
+
+
+def test_chunked_omp_anchors_fit_each_chunks_own_mass_against_the_documents_row_maximum():
+    """Above ``chunk_min_length`` the OMP anchor search runs per chunk: chunk c keeps the chunked top-t's
+    count t_c of anchors, all inside it, and they are OMP's choice on the chunk's own mass matrix with
+    every row's logits taken against its maximum over the whole document (E built here in numpy,
+    float64); one chunk is the whole-document search."""
+    from arckv_press.compaction.chunks import chunk_bounds
+    from arckv_press.compaction.layer import omp_anchors
+    from arckv_press.compaction.omp import omp_on_mass
+
+    H, n, T, D, scaling = 2, 30, 48, 8, 0.3
+    Q, K, _ = _random_qk(21, H=H, n=n, T=T, D=D)
+    budgets = torch.tensor([9, 14])
+    chunks = chunk_bounds(T, 16, 0)
+    idx, valid = omp_anchors(Q, K, budgets, scaling, "omp", None, chunks)
+    logits = scaling * np.einsum("hnd,htd->hnt", Q.numpy(), K.numpy())
+    z = logits.max(axis=2, keepdims=True)
+    for h in range(H):
+        got = idx[h, valid[h]].tolist()
+        assert len(set(got)) == len(got)
+        for lo, hi in chunks:
+            t_c = round(int(budgets[h]) * (hi - lo) / T)
+            E = torch.from_numpy(np.exp(logits[h:h + 1, :, lo:hi] - z[h:h + 1]))
+            ref, ref_valid, _ = omp_on_mass(E, E.sum(2), t_c, AM_OMP)
+            assert sorted(j for j in got if lo <= j < hi) == sorted((ref[0, ref_valid[0]] + lo).tolist())
+    again = omp_anchors(Q, K, budgets, scaling, "omp", None, chunks, torch.from_numpy(z[..., 0]))
+    assert torch.equal(again[0], idx) and torch.equal(again[1], valid)          # the given maximum is the same
+    one = omp_anchors(Q, K, budgets, scaling, "omp", None, [(0, T)])
+    whole, whole_valid, _ = omp_select(Q, K, budgets, scaling, AM_OMP)
+    assert torch.equal(one[0], whole) and torch.equal(one[1], whole_valid)
+
+
+def test_chunked_omp_anchors_survive_a_chunk_without_mass():
+    """A chunk that holds no row's mass (its logits 200 below the document's maximum, so exp underflows
+    to 0 in float32) still gets its t_c distinct anchors, and the other chunks are searched as usual."""
+    from arckv_press.compaction.layer import omp_anchors
+
+    Q, K, _ = _random_qk(22, H=1, n=20, T=32, D=4, dtype=torch.float32)
+    Q = Q.abs()
+    K[:, :16] = K[:, :16].abs() + 1.0
+    K[:, 16:] = -K[:, 16:].abs() - 200.0 / (0.3 * float(Q.sum(-1).min()))  # every row's logit < max - 200
+    idx, valid = omp_anchors(Q, K, torch.tensor([8]), 0.3, "omp-fast", None, [(0, 16), (16, 32)])
+    got = idx[0, valid[0]].tolist()
+    assert len(got) == 8 and len(set(got)) == 8
+    assert sum(j >= 16 for j in got) == 4 and sum(j < 16 for j in got) == 4
+
+
+def test_layer_step_searches_omp_anchors_chunk_by_chunk_above_chunk_min_length():
+    """The compaction's layer step, above ``chunk_min_length``, takes each chunk's OMP anchors on its
+    budget rows against the rows' maxima recorded by the reference pass (brute force here)."""
+    from arckv_press.compaction.layer import LayerMethod, compact_layer_from_stats
+    from arckv_press.compaction.reference import grouped_rows
+    from arckv_press.compaction.stats import ReferenceStats, split_attention
+
+    G, N, T = 2, 30, 36
+    Q, K, V = _random_qk(6, H=2, n=G * N, T=T, D=8, dtype=torch.float32)
+    st = ReferenceStats(2, G, N, T, 8, "ha", "rms", block=16)
+    split_attention(Q.view(2, G, N, 8), K, V, (0, T), 0.3, 0, 16, on_block=lambda a, blk: st.update(a, blk, V),
+                    keep_logits=st.needs_logits)
+    st = st.result()
+    rows = grouped_rows(torch.tensor([1, 4, 7, 9, 15, 20, 22, 28]), N, G)
+    budgets = torch.tensor([6, 9])
+    method = LayerMethod("arckv-ha", anchor_search="omp", chunk_len=12, chunk_min_length=0,
+                         fit=FitConfig(witnesses=False))
+    res = compact_layer_from_stats(K, V, Q, st, budgets, 0.3, method, rows)
+    z = (0.3 * Q[:, rows].double() @ K.double().transpose(1, 2)).amax(2)
+    for h in range(2):
+        got = res.anchors[h, res.valid[h]].tolist()
+        for lo in (0, 12, 24):
+            t_c = round(int(budgets[h]) * 12 / T)
+            ref, ref_valid, _ = omp_select(Q[h:h + 1, rows], K[h:h + 1, lo:lo + 12], t_c, 0.3, AM_OMP,
+                                           row_max=z[h:h + 1].float())
+            assert sorted(j for j in got if lo <= j < lo + 12) == sorted((ref[0, ref_valid[0]] + lo).tolist())

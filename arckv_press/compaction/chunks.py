@@ -4,6 +4,8 @@ The paper's KV-based chunking (App. "KV-Based Chunking for Long Contexts") split
 into contiguous chunks for anchor selection only (:func:`~.select.chunked_topk_anchors`). Above the
 same length this package also keeps merging and the fits inside each chunk c of positions C_c:
 
+- the anchor search, when it is Attention Matching's OMP (:func:`~.layer.omp_anchors`): chunk c's
+  t_c anchors fit chunk c's own mass (below), on every budget row;
 - merging (Eqs. (response_profile), (anchor_assignment), (key_merge)): a key of chunk c joins the
   most similar anchor of chunk c, so the profiles hold |C_c| x t_c entries instead of T x t;
 - beta (Eq. (mass_fit)) matches chunk c's own mass, Phi_{C_c} w_c ~ sum_{j in C_c} exp(l_ij - z_i)
@@ -24,7 +26,7 @@ import torch
 
 from .checks import check_positive_int
 
-__all__ = ["chunk_bounds", "rest_of_chunk"]
+__all__ = ["chunk_bounds", "chunk_budgets", "rest_of_chunk"]
 
 
 def chunk_bounds(T: int, chunk_len: int, min_length: int) -> list[tuple[int, int]]:
@@ -37,6 +39,13 @@ def chunk_bounds(T: int, chunk_len: int, min_length: int) -> list[tuple[int, int
     if T <= min_length:
         return [(0, T)]
     return [(start, min(start + chunk_len, T)) for start in range(0, T, chunk_len)]
+
+
+def chunk_budgets(budgets: torch.Tensor, chunk: int, T: int) -> torch.Tensor:
+    """Per-head anchor counts ``[H]`` of one chunk of ``chunk`` positions out of ``T``, for per-head
+    budgets ``budgets [H]`` over the whole document: t_c = clip_[1, chunk](round(t * chunk / T))
+    (App. "KV-Based Chunking"; ``round`` half to even, so the chunks' counts may not add up to t)."""
+    return torch.round(budgets.double() * chunk / T).long().clamp(1, chunk)
 
 
 def rest_of_chunk(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from arckv_press.compaction.chunks import chunk_bounds, rest_of_chunk
+from arckv_press.compaction.chunks import chunk_bounds, chunk_budgets, rest_of_chunk
 from arckv_press.compaction.fit import FitConfig, attention_lse, compact_logits, fit_beta, fit_values
 from arckv_press.compaction.merge import assign_to_anchors, check_anchors, merge_keys
 from arckv_press.compaction.omp import AM_OMP, AM_OMP_FAST, am_compact, omp_select
@@ -46,7 +46,8 @@ class LayerMethod:
         lambda_m: key-merging coefficient of Eq. (key_merge) (ARC-KV only; 0 = no merging).
         pooling: row pooling of Eq. (indexer_pooling): ``rms`` (paper), ``mean`` or ``max``.
         chunk_len / chunk_min_length: for documents longer than ``chunk_min_length``, contiguous chunks
-            of ``chunk_len`` positions: chunked top-t (App. KV-Based Chunking) and, in
+            of ``chunk_len`` positions: chunked top-t (App. KV-Based Chunking) or, with an OMP
+            ``anchor_search``, each chunk's own OMP search (:func:`omp_anchors`), and, in
             :func:`compact_layer_from_stats`, merging and fits inside each chunk (:mod:`.chunks`).
         fit: which anchors and rows are fitted (``scope``, ``witnesses``) and how
             (:class:`~.fit.FitConfig`).
@@ -55,8 +56,8 @@ class LayerMethod:
         anchor_search: how anchors are found. ``"scores"`` (default): the top-t of the selector's
             pooled scores (Eq. (indexer_pooling)); ``"omp"`` / ``"omp-fast"``: Attention Matching's
             greedy OMP search on the budget rows (:func:`~.omp.omp_select`, which refits the
-            attention mass after each pick), with the same per-head budgets, then the same merging
-            and fits.
+            attention mass after each pick), with the same per-head budgets (chunk by chunk above
+            ``chunk_min_length``), then the same merging and fits.
     """
 
     name: str = "arckv"
@@ -126,18 +127,52 @@ def _prefix_order(idx: torch.Tensor, valid: torch.Tensor, *others: torch.Tensor)
 
 
 def omp_anchors(
-    rows: torch.Tensor, K: torch.Tensor, budgets: torch.Tensor, scaling: float, search: str, scores
+    rows: torch.Tensor, K: torch.Tensor, budgets: torch.Tensor, scaling: float, search: str, scores,
+    chunks: list[tuple[int, int]] | None = None, row_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchors ``idx, valid [H, t_max]`` of ``anchor_search`` ``"omp"`` / ``"omp-fast"``: Attention
     Matching's greedy search (:func:`~.omp.omp_select`) on the reference ``rows [H, n, D]`` for each
     head's first ``min(t_h, n)`` anchors (its mass least squares needs at least as many rows as keys);
     a head whose budget exceeds ``n`` takes the rest as the top of the pooled scores (Eq.
     (indexer_pooling)) among the positions the search left. ``scores``: ``[H, T]`` or a function
-    returning them, called only then."""
+    returning them, called only then.
+
+    ``chunks`` (:func:`~.chunks.chunk_bounds`; ``None``: one chunk): with more than one, chunk c
+    gets its own t_c anchors (:func:`~.chunks.chunk_budgets`, as the chunked top-t), searched in
+    that chunk alone to fit the chunk's own mass, every row's logits taken against its maximum over
+    the whole document (``row_max [H, n]``, computed when ``None``): the mass target of the
+    chunk-separable fits (:mod:`.chunks`), at a cost linear in the document's length."""
     H, T = K.shape[:2]
     budgets = torch.as_tensor(budgets, device=K.device).long().expand(H)
+    if chunks is None or len(chunks) == 1:
+        return _omp_span(rows, K, budgets, scaling, search, scores, None)
+    if row_max is None:
+        row_max = torch.stack([torch.bmm(rows.float(), K[:, lo:hi].float().transpose(1, 2)).amax(2)
+                               for lo, hi in chunks]).amax(0).mul_(scaling)
+    cache: list[torch.Tensor] = []
+
+    def all_scores() -> torch.Tensor:  # computed once, and only if a chunk's budget exceeds the rows
+        if not cache:
+            cache.append(scores() if callable(scores) else scores)
+        return cache[0]
+
+    idx, valid = [], []
+    for lo, hi in chunks:
+        span_scores = (lambda lo=lo, hi=hi: all_scores()[:, lo:hi])
+        i, v = _omp_span(rows, K[:, lo:hi], chunk_budgets(budgets, hi - lo, T), scaling, search, span_scores, row_max)
+        idx.append(i + lo)
+        valid.append(v)
+    idx, valid = _prefix_order(torch.cat(idx, 1), torch.cat(valid, 1))
+    t_max = int(valid.sum(1).max())
+    return idx[:, :t_max], valid[:, :t_max]
+
+
+def _omp_span(rows, K, budgets, scaling, search, scores, row_max):
+    """:func:`omp_anchors` on the positions of ``K`` (a whole document, or one chunk with the
+    document's ``row_max``)."""
+    H, T = K.shape[:2]
     capped = budgets.clamp_max(rows.shape[1])
-    idx, valid, _ = omp_select(rows, K, capped, scaling, ANCHOR_SEARCHES[search])
+    idx, valid, _ = omp_select(rows, K, capped, scaling, ANCHOR_SEARCHES[search], row_max)
     extra = budgets - capped
     heads = (extra > 0).nonzero().flatten()
     if not heads.numel():
@@ -214,7 +249,8 @@ def compact_layer(
 
     with watch("selection"):
         if method.anchor_search != "scores":  # AM's search on the rows the fits use
-            idx, valid = omp_anchors(Q, K, budgets, scaling, method.anchor_search, own_scores)
+            idx, valid = omp_anchors(Q, K, budgets, scaling, method.anchor_search, own_scores,
+                                     chunk_bounds(K.shape[1], method.chunk_len, method.chunk_min_length))
         else:
             idx, valid = chunked_topk_anchors(own_scores(), budgets, method.chunk_len, method.chunk_min_length)
         idx, valid = _prefix_order(idx, valid)
@@ -273,7 +309,10 @@ def compact_layer_from_stats(
         if method.anchor_search == "scores":
             idx, valid = chunked_topk_anchors(scores, budgets, method.chunk_len, method.chunk_min_length)
         else:
-            idx, valid = omp_anchors(Q[:, base_rows.to(K.device)], K, budgets, scaling, method.anchor_search, scores)
+            rows = base_rows.to(K.device)
+            idx, valid = omp_anchors(Q[:, rows], K, budgets, scaling, method.anchor_search, scores,
+                                     chunk_bounds(K.shape[1], method.chunk_len, method.chunk_min_length),
+                                     stats.rows("row_max")[:, rows])
         idx, valid = _prefix_order(idx, valid)
     check_anchors(idx, valid, K.shape[1])
     row_max, row_lse, row_out = stats.rows("row_max"), stats.rows("row_lse"), stats.rows("row_out")

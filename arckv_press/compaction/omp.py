@@ -210,15 +210,20 @@ def _check_budgets(budgets: object, H: int, T: int, device: torch.device) -> tor
 # shared linear algebra
 
 
-def attention_mass(Q: torch.Tensor, K: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_mass(
+    Q: torch.Tensor, K: torch.Tensor, scaling: float, row_max: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``E = exp(scaling Q K^T - rowmax)`` ``[H, n, T]`` and ``target = E 1`` ``[H, n]`` (float64).
 
-    Paper Eq. (mass_fit): ``Phi_K`` with ``z^fit`` the per-query maximum. ``E`` is float32
+    Paper Eq. (mass_fit): ``Phi_K`` with ``z^fit`` the per-query maximum over ``K``, or the given
+    ``row_max [H, n]`` (at least that maximum: ``K`` is then one chunk of a document and ``row_max``
+    the document's, so ``target`` is the chunk's share of each row's mass). ``E`` is float32
     (float64 if ``Q``/``K`` are float64).
     """
     dtype = _F64 if _F64 in (Q.dtype, K.dtype) else torch.float32
     logits = torch.bmm(Q.to(dtype), K.to(dtype).transpose(1, 2)).mul_(scaling)
-    E = logits.sub_(logits.amax(dim=2, keepdim=True)).exp_()
+    z = logits.amax(dim=2, keepdim=True) if row_max is None else row_max.to(dtype)[:, :, None]
+    E = logits.sub_(z).exp_()
     return E, E.sum(dim=2, dtype=_F64)
 
 
@@ -496,11 +501,14 @@ def omp_select(
     budgets: torch.Tensor | int,
     scaling: float,
     config: OMPConfig = AM_OMP,
+    row_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """AM's OMP key selection for one layer (paper App. "Attention Matching Pipeline Profile").
 
-    Shapes: ``Q [H, n, D]``, ``K [H, T, D]``, ``budgets [H]``. Returns ``idx [H, t_max]`` (valid
-    slots first, sorted by key position; padding index 0), ``valid [H, t_max]`` and the mass
+    Shapes: ``Q [H, n, D]``, ``K [H, T, D]``, ``budgets [H]``; ``row_max [H, n]`` (optional): each
+    row's maximum logit over a document of which ``K`` is one chunk, so the search fits the chunk's
+    own mass (:func:`attention_mass`; ``None``: the maximum over ``K``). Returns ``idx [H, t_max]``
+    (valid slots first, sorted by key position; padding index 0), ``valid [H, t_max]`` and the mass
     weights ``w [H, t_max]`` float64 (``beta = log w``; 0 on padding).
     """
     if not isinstance(config, OMPConfig):
@@ -508,13 +516,18 @@ def omp_select(
     check_qk(Q, K)
     scaling = check_scaling(scaling)
     budgets = _check_budgets(budgets, K.shape[0], K.shape[1], K.device)
-    return _omp_select(Q, K, budgets, scaling, config)
+    if row_max is not None:
+        check_float(row_max, "row_max", 2)
+        if tuple(row_max.shape) != tuple(Q.shape[:2]):
+            raise ValueError(f"row_max must have shape {tuple(Q.shape[:2])} (heads x rows), got {tuple(row_max.shape)}")
+    return _omp_select(Q, K, budgets, scaling, config, row_max)
 
 
 def _omp_select(
-    Q: torch.Tensor, K: torch.Tensor, budgets: torch.Tensor, scaling: float, config: OMPConfig
+    Q: torch.Tensor, K: torch.Tensor, budgets: torch.Tensor, scaling: float, config: OMPConfig,
+    row_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    E, target = attention_mass(Q, K, scaling)
+    E, target = attention_mass(Q, K, scaling, row_max)
     idx, valid, w = _omp_core(E, target, budgets, config)
     del E
     idx, w = _sorted_by_position(idx, valid, K.shape[1], w)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .chunks import chunk_bounds
+from .chunks import chunk_bounds, chunk_budgets
 from .checks import (
     check_float,
     check_nonnegative,
@@ -445,7 +445,7 @@ def chunked_topk_anchors(
     idx_parts, valid_parts = [], []
     for start, stop in chunks:
         Tc = stop - start
-        tc = torch.round(budgets.double() * Tc / T).long().clamp(1, Tc)
+        tc = chunk_budgets(budgets, Tc, T)
         idx_c, valid_c = topk_anchors(scores[:, start:stop], tc)
         idx_parts.append(idx_c + start)
         valid_parts.append(valid_c)
