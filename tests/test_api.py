@@ -766,8 +766,9 @@ def test_omp_anchor_search_takes_the_am_search_on_the_budget_rows(tiny_model, ti
     G = layout.group_size
     calls, real = [], layer_mod.omp_select
 
-    def spy(Q, K_, budgets, scaling, config):
-        out = real(Q, K_, budgets, scaling, config)
+    def spy(Q, K_, budgets, scaling, config, row_max=None):
+        assert row_max is None                       # one chunk: the whole document's own maxima
+        out = real(Q, K_, budgets, scaling, config, row_max)
         calls.append((Q.shape[1], budgets.clone(), out[1], config))
         return out
 
@@ -799,7 +800,7 @@ def test_default_below_keep_5_percent_is_the_omp_search(tiny_model, tiny_tokeniz
 
     model, tok, text, *_ = _three_layer_reference(tiny_model, tiny_tokenizer)
     calls, real = [], layer_mod.omp_select
-    monkeypatch.setattr(layer_mod, "omp_select", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(layer_mod, "omp_select", lambda *a: calls.append(a[4]) or real(*a))
     with torch.no_grad():
         default = compact(model, tok, text, "arckv-ha", 0.04, query_budget=40, seed=3)
         assert calls == [layer_mod.AM_OMP] * 3
