@@ -160,7 +160,9 @@ def compact_prefilled(
     # Indexer and budgets are resolved before the (possibly long) prefill: a missing checkpoint or
     # malformed budget weights fail fast and leave ``cache`` untouched.
     indexer, shipped_weights = resolve_indexer(config.method, config.indexer, model) if config.ratio < 1.0 else (None, None)
-    chosen = config.budget_weights if config.budget_weights is not None else shipped_weights
+    chosen = None  # uniform: Attention Matching, and ARC-KV's global allocation before its top-k
+    if config.family == "arckv" and not (isinstance(config.budgets, str) and config.budgets == "global"):
+        chosen = shipped_weights if isinstance(config.budgets, str) and config.budgets == "fixed" else config.budgets
     weights = _load_weights(chosen, (len(layers), H), layout.num_layers)
     if weights is not None and weights.shape[0] == layout.num_layers != len(layers):
         weights = weights[list(layers)]  # checkpoint weights cover every layer; keep the compacted ones
@@ -274,7 +276,7 @@ def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Te
     cap = repeat_prefill_stats(run.model, run.tokenizer, run.cache, run.doc_ids, run.framing.suffix_ids, layers,
                                run.prefix_len, selector=pass_selector, pooling=config.pooling,
                                x_positions=score_pos if selector == "indexer" else None,
-                               chunk_size=config.repeat_chunk, progress=bar,
+                               progress=bar,
                                tail_rows=config.scheduled("tail_rows"))
     if bar is not None:
         bar.close()
@@ -302,7 +304,7 @@ def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Te
                 scores[i] = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling)
         else:
             scores[i] = cap.stats[i].scores
-    if config.allocation == "global":
+    if isinstance(config.budgets, str) and config.budgets == "global":
         budgets = global_budgets(torch.stack([scores[i].float() for i in layers]), config.ratio,
                                  min_fraction=config.min_head_fraction)
     run.timings["selection"] = time.perf_counter() - t0
@@ -366,7 +368,7 @@ def _compact_am(run: _Run, budgets: torch.Tensor, repeat_pos: torch.Tensor):
     t0 = time.perf_counter()
     bar = run.bar(run.doc_ids.shape[1], "repeat-prefill")
     store = repeat_prefill(run.model, run.tokenizer, run.cache, run.doc_ids, run.framing.suffix_ids, layers, repeat_pos,
-                           config.repeat_chunk, bar)
+                           progress=bar)
     if bar is not None:
         bar.close()
     run.timings["repeat_prefill"] = time.perf_counter() - t0

@@ -48,11 +48,13 @@ __all__ = [
     "repeat_prefill_stats",
     "REPEAT_PROMPT",
     "REPEAT_CHUNK_PROMPT",
+    "REPEAT_CHUNK",
     "TAIL_FRACTION",
 ]
 
 REPEAT_PROMPT = "\n\nRepeat the previous context verbatim."
 REPEAT_CHUNK_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+REPEAT_CHUNK = 2048  # document tokens repeated per forward of the chunked repeat-prefill (bounds its memory)
 # The tail rows cover at most this share of the document: more would outweigh the copy's rows in the
 # pooled scores and move anchors off the rest of the document (chosen on development needle cases at
 # 1,000 tokens, where 512 tail rows lost needles at depths 10-50%; docs/studies/needle_end.md)
@@ -332,7 +334,7 @@ def repeat_prefill(
     suffix_ids: list[int],
     layers: list[int],
     positions: torch.Tensor,
-    chunk_size: int = 2048,
+    chunk_size: int = REPEAT_CHUNK,
     progress=None,
 ) -> CapturedQueries:
     """Teacher-force the document after a repeat instruction and capture queries at ``positions``.
@@ -368,7 +370,7 @@ def repeat_prefill_stats(
     selector: str = "ha",
     pooling: str = "rms",
     x_positions: torch.Tensor | None = None,
-    chunk_size: int = 2048,
+    chunk_size: int = REPEAT_CHUNK,
     progress=None,
     block: int = ReferenceStats.block,
     tail_rows: int = 0,
@@ -425,15 +427,16 @@ def _warn_past_window(model, furthest: int, chunk_size: int) -> None:
 
     Each repeated chunk sits after the whole context, so the furthest position is about
     ``context + prompt + chunk``: for a context close to the window, RoPE extrapolates and the
-    reference queries (and so the anchors) are less reliable. A smaller ``repeat_chunk`` helps
-    when the context itself fits with room to spare.
+    reference queries (and so the anchors) are less reliable. A smaller ``chunk_size`` of
+    :func:`repeat_prefill_stats` / :func:`repeat_prefill` helps when the context itself fits with
+    room to spare (it changes the statistics, so the results).
     """
     window = getattr(model.config, "max_position_embeddings", None)
     if window is not None and furthest > window:
         warnings.warn(
             f"the repeat-prefill reaches position {furthest}, past the model's {window} trained positions "
             f"(context + repeat prompt + a chunk of {chunk_size} tokens); reference queries past the window "
-            "are extrapolated. Use a shorter context or a smaller repeat_chunk.",
+            "are extrapolated. Use a shorter context.",
             UserWarning,
             stacklevel=3,
         )

@@ -22,9 +22,10 @@ from arckv_press.methods import method as lookup_method
 from arckv_press.models import GEMMA3_MODEL_ID
 
 __all__ = ["CompactionConfig", "config_id", "RATIO_SCHEDULE", "MODEL_RATIO_SCHEDULES", "RatioDefaults", "ratio_defaults",
-           "ratio_schedule", "SCHEDULED", "INDEXER_ROWS", "SCORE_SHRINK", "MIN_LENGTH"]
+           "ratio_schedule", "SCHEDULED", "INDEXER_ROWS", "BUDGETS", "SCORE_SHRINK", "MIN_LENGTH"]
 
 INDEXER_ROWS = ("all", "budget")  # CompactionConfig.indexer_rows, besides a row count
+BUDGETS = ("global", "fixed")  # CompactionConfig.budgets, besides weights (a tensor or a file)
 MIN_LENGTH = 16  # the shortest document (tokens) a compaction accepts
 #: the CompactionConfig options whose ``None`` means "the schedule's value at this kept fraction"
 #: (:class:`RatioDefaults`' fields; :meth:`CompactionConfig.scheduled`)
@@ -98,19 +99,18 @@ class CompactionConfig:
             (:func:`ratio_defaults`; 0.25 at every kept fraction, chosen on the fidelity dev split,
             ``docs/methodology.md``).
         query_budget: reference-query rows per KV head (G rows per captured position).
-        repeat_chunk: document tokens repeated per forward of the chunked repeat-prefill.
-        budget_weights: per layer-head weights a(l, h) ``[L, H]`` (tensor or path to a
-            ``.pt``/``.safetensors`` file); None = the indexer checkpoint's weights for ``arckv``,
-            uniform otherwise.
         indexer: indexer checkpoint path (or a loaded indexer); None = shipped default.
         seed: seed of every random choice (reference-row subsampling).
-        allocation: ARC-KV per-head budgets: ``"global"`` (default; one top-k over the scores of
-            every layer and head, :func:`~arckv_press.compaction.select.global_budgets`) or
-            ``"fixed"`` (Eq. (per_head_budget) with ``budget_weights`` / the checkpoint's weights /
-            uniform, the paper's setting); what each costs in planted needles is in
-            ``docs/results.md``. Attention Matching methods ignore both options (uniform budgets,
-            as its code).
-        min_head_fraction: with ``allocation="global"``, every layer--KV head first keeps this
+        budgets: how the kept positions are shared among layer--KV heads (ARC-KV methods;
+            Attention Matching keeps uniform budgets, as its code). ``"global"`` (default): one
+            top-k over the scores of every layer and head, with a floor per head
+            (``min_head_fraction``; :func:`~arckv_press.compaction.select.global_budgets`).
+            ``"fixed"``: Eq. (per_head_budget), the paper's setting, with the learned indexer
+            checkpoint's weights a(l, h) for ``arckv`` and uniform weights otherwise. A ``[L, H]``
+            tensor of weights, or the path of a ``.pt`` / ``.safetensors`` file holding one:
+            Eq. (per_head_budget) with these weights. What each costs in planted needles is in
+            ``docs/history.md``.
+        min_head_fraction: with ``budgets="global"``, every layer--KV head first keeps this
             fraction of its uniform budget, ``floor(min_head_fraction * ratio * T)`` anchors (at
             least 1), and only the rest is allocated by the global top-k
             (:func:`~arckv_press.compaction.select.global_budgets`'s ``min_fraction``); 0 = fully
@@ -148,14 +148,12 @@ class CompactionConfig:
     lambda_m: float | None = None
     pooling: str = "rms"
     query_budget: int = 2048
-    repeat_chunk: int = 2048
-    budget_weights: torch.Tensor | str | Path | None = None
     indexer: object = None
     fit: FitConfig = field(default_factory=FitConfig)
     chunk_len: int = 4096
     chunk_min_length: int = 10_000
     seed: int = 0
-    allocation: str = "global"
+    budgets: str | Path | torch.Tensor = "global"
     min_head_fraction: float = 0.5
     merge_rows: int | None = 512
     indexer_rows: int | str = 512
@@ -173,12 +171,15 @@ class CompactionConfig:
         if not isinstance(self.fit, FitConfig):
             raise TypeError(f"fit must be a FitConfig or a dict of its fields, got {type(self.fit).__name__}")
         check_ratio(self.ratio)
-        if self.query_budget < 1 or self.repeat_chunk < 1:
-            raise ValueError("query_budget and repeat_chunk must be positive")
+        if self.query_budget < 1:
+            raise ValueError(f"query_budget must be positive, got {self.query_budget}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
-        if self.allocation not in ("global", "fixed"):
-            raise ValueError(f"allocation must be 'global' or 'fixed', got {self.allocation!r}")
+        if isinstance(self.budgets, (str, Path)) and self.budgets not in BUDGETS and not Path(self.budgets).is_file():
+            raise ValueError(f"budgets must be one of {BUDGETS}, a [L, H] tensor of weights or the path of a weights "
+                             f"file, got {self.budgets!r} (no such file)")
+        if not isinstance(self.budgets, (str, Path, torch.Tensor)):
+            raise TypeError(f"budgets must be one of {BUDGETS}, a tensor or a path, got {type(self.budgets).__name__}")
         if not 0.0 <= self.min_head_fraction <= 1.0:
             raise ValueError(f"min_head_fraction must be in [0, 1], got {self.min_head_fraction}")
         if isinstance(self.indexer_rows, bool) or not (
@@ -227,7 +228,7 @@ class CompactionConfig:
 
 _RUN_ONLY_FIELDS = ("ratio", "indexer")  # never change a result (the indexer has its own id)
 _INDEXER_ONLY_FIELDS = ("indexer_rows",)  # options only the learned indexer's method reads
-_ARCKV_ONLY_FIELDS = ("lambda_m", "budget_weights", "allocation", "min_head_fraction", "merge_rows", "anchor_search",
+_ARCKV_ONLY_FIELDS = ("lambda_m", "budgets", "min_head_fraction", "merge_rows", "anchor_search",
                       "tail_rows")
 _ARCKV_ONLY_FIT_FIELDS = ("scope", "witnesses")
 SCORE_SHRINK = 0.1  # ``shrink`` of corrected_scores when indexer_rows is a row count

@@ -125,8 +125,7 @@ class _CompactionPress(BasePress):
         use_chat_template: framing choice (None: chat template when the tokenizer has one, the
             same rule as kvpress's pipeline).
         config_options: further :class:`~arckv_press.config.CompactionConfig` fields passed through
-            unchanged (e.g. ``pooling``, ``fit=FitConfig(...)``, ``repeat_chunk``,
-            ``budget_weights``).
+            unchanged (e.g. ``pooling``, ``fit=FitConfig(...)``, ``budgets``).
 
     State (the press's own, not the model's): ``last_report`` holds the
     :class:`~arckv_press.api.CompactionReport` of the latest compaction run by this press

@@ -289,13 +289,17 @@ def test_budget_weights_give_per_head_budgets(tiny_model, tiny_tokenizer, tmp_pa
         weights = tmp_path / "weights.pt"
         torch.save(w, weights)
     with torch.no_grad():
-        cache = compact(model, tok, make_text(70, seed=6), "arckv-vi", 0.25, budget_weights=weights, allocation="fixed")
+        cache = compact(model, tok, make_text(70, seed=6), "arckv-vi", 0.25, budgets=weights)
     # |P| = 4 layer-heads, rho T = 17.5: raw = w / 8 * 4 * 17.5 = [[8.75, 17.5], [26.25, 17.5]]
     assert [layer.lengths.tolist() for layer in cache.compact_layers] == [[8, 17], [26, 17]]
     assert cache.realised_ratio() == pytest.approx((8 + 17 + 26 + 17) / (4 * 70), abs=0)
     assert cache.compact_nbytes() == (8 + 17 + 26 + 17) * (2 * 16 * 4 + 4)
     with pytest.raises(ValueError, match="budget weights have shape"):
-        compact(model, tok, make_text(70, seed=6), "arckv-vi", 0.25, budget_weights=torch.ones(3, 2))
+        compact(model, tok, make_text(70, seed=6), "arckv-vi", 0.25, budgets=torch.ones(3, 2))
+    with pytest.raises(ValueError, match="budgets must be one of .*no such file"):
+        CompactionConfig(method="arckv-vi", budgets=str(tmp_path / "missing.pt"))
+    with pytest.raises(TypeError, match="budgets must be"):
+        CompactionConfig(method="arckv-vi", budgets=[[1.0, 2.0]])
 
 
 # ------------------------------------------------------------------------------ fidelity
@@ -384,8 +388,8 @@ def test_bad_input(tiny_model, tiny_tokenizer):
     # options checked before any forward (CompactionConfig), not after the repeat-prefill
     with pytest.raises(ValueError, match="lambda_m"):
         CompactionConfig(method="arckv-ha", lambda_m=2.0)
-    with pytest.raises(ValueError, match="allocation"):
-        CompactionConfig(method="arckv-ha", allocation="uniform")
+    with pytest.raises(ValueError, match="budgets"):
+        CompactionConfig(method="arckv-ha", budgets="uniform")
     for retired in ("on_policy", "context_fraction", "min_length", "progress", "score_rows", "fit_scope"):
         with pytest.raises(TypeError, match=retired):
             CompactionConfig(method="arckv-ha", **{retired: 1})
@@ -423,6 +427,34 @@ def test_arckv_without_indexer(tiny_model, tiny_tokenizer):
     with pytest.raises(ValueError, match="indexer="):
         compact_prefilled(model, tok, cache, ids, 3, config)
     assert cache.get_seq_length() == 0
+
+
+def test_fixed_budgets_take_the_checkpoints_weights_and_attention_matching_keeps_uniform(tiny_model, tiny_tokenizer,
+                                                                                       tmp_path):
+    """``budgets="fixed"`` with ``arckv``: Eq. (per_head_budget) with the checkpoint's a(l, h), by hand;
+    ``arckv-ha`` (no checkpoint) takes uniform weights. Attention Matching ignores ``budgets``:
+    given weights leave its uniform budgets as they are."""
+    from arckv_press.indexer.checkpoint import save_indexer
+    from arckv_press.indexer.model import IndexerConfig, ValueAwareIndexer
+    from arckv_press.models import config_hash, model_id
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    text = make_text(70, seed=6)
+    indexer = ValueAwareIndexer(IndexerConfig.from_model_config(model.config), seed=0)
+    path = save_indexer(indexer, tmp_path / "ck", model_id(model), config_hash(model.config),
+                        budget_weights=torch.tensor([[1.0, 2.0], [3.0, 2.0]]))
+    with torch.inference_mode():
+        fixed = compact(model, tok, text, "arckv", 0.25, indexer=path, budgets="fixed")
+        uniform = compact(model, tok, text, "arckv-ha", 0.25, budgets="fixed")
+        am = compact(model, tok, text, "am-omp-fast", 0.25, budgets=torch.tensor([[1.0, 2.0], [3.0, 2.0]]))
+        am_default = compact(model, tok, text, "am-omp-fast", 0.25)
+    # |P| = 4 layer-heads, rho T = 17.5: a = w / 8, raw = a * 4 * 17.5 = [[8.75, 17.5], [26.25, 17.5]]
+    assert [layer.lengths.tolist() for layer in fixed.compact_layers] == [[8, 17], [26, 17]]
+    assert [layer.lengths.tolist() for layer in uniform.compact_layers] == [[17, 17], [17, 17]]
+    assert [layer.lengths.tolist() for layer in am.compact_layers] == [[17, 17], [17, 17]]
+    for a, b in zip(am.compact_layers, am_default.compact_layers):  # bitwise, padding (NaN) included
+        for x, y in ((a.keys, b.keys), (a.values, b.values), (a.beta, b.beta)):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
 
 
 def test_arckv_refuses_an_indexer_of_another_model(tiny_model, tiny_tokenizer, tmp_path):
@@ -525,8 +557,8 @@ def test_config_id_covers_the_options_that_shape_a_result():
     assert cid(method="arckv-ha", ratio=0.01, lambda_m=1.0) == cid(method="arckv-ha", lambda_m=1.0, anchor_search="omp",
                                                                    tail_rows=0) != low
     for change in (dict(min_head_fraction=0.25), dict(lambda_m=0.0), dict(fit={"witnesses": False}), dict(seed=1),
-                   dict(query_budget=512), dict(allocation="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
-                   dict(budget_weights=torch.ones(3, 2)), dict(merge_rows=None), dict(tail_rows=0),
+                   dict(query_budget=512), dict(budgets="fixed"), dict(fit=FitConfig(ridge_v=0.5)),
+                   dict(budgets=torch.ones(3, 2)), dict(merge_rows=None), dict(tail_rows=0),
                    dict(fit=FitConfig(gram_dtype="float64")), dict(fit={"scope": "all"})):
         assert cid(method="arckv-ha", **change) != base, change
     assert cid(method="arckv-vi") != base
@@ -535,13 +567,14 @@ def test_config_id_covers_the_options_that_shape_a_result():
     assert cid(method="arckv", indexer_rows="budget") != cid(method="arckv")
     assert cid(method="arckv", indexer_rows=512) == cid(method="arckv") != cid(method="arckv", indexer_rows=256)
     assert cid(method="arckv", indexer_rows="all") != cid(method="arckv")
-    assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) == cid(method="arckv-ha", budget_weights=torch.ones(3, 2))
-    assert cid(method="arckv-ha", budget_weights=torch.ones(3, 2)) != cid(method="arckv-ha", budget_weights=2 * torch.ones(3, 2))
+    assert cid(method="arckv-ha", budgets=torch.ones(3, 2)) == cid(method="arckv-ha", budgets=torch.ones(3, 2))
+    assert cid(method="arckv-ha", budgets=torch.ones(3, 2)) != cid(method="arckv-ha", budgets=2 * torch.ones(3, 2))
     am = cid(method="am-omp")
-    assert am == cid(method="am-omp", min_head_fraction=0.25, lambda_m=0.0, allocation="fixed", merge_rows=7,
+    assert am == cid(method="am-omp", min_head_fraction=0.25, lambda_m=0.0, budgets="fixed", merge_rows=7,
                      tail_rows=0, fit=FitConfig(gram_dtype="float64", witnesses=False, scope="all"))
-    # the id of the AM defaults is the one stored with the AM results before the fused pipeline existed
-    assert am == "0e60e218b55c" and cid(method="am-omp-fast") == "3492402276fb"
+    # the id of the AM defaults, as the stored AM results carry it (relabelled once when allocation and
+    # budget_weights became budgets: leaderboards/archive/config_ids_2026-12-07.csv)
+    assert am == "e51ef7866907" and cid(method="am-omp-fast") == "d86ee4e2095b"
     assert am != cid(method="am-omp", query_budget=512) and am != cid(method="am-omp-fast")
     assert method_config_id("arckv-ha", 0.1) == base
     assert method_config_id("arckv-ha", 0.02) == cid(method="arckv-ha", ratio=0.02)

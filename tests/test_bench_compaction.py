@@ -90,10 +90,9 @@ def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys
     assert_ratio_of_rounded(float(line.split("/ prefill ")[1].split()[0]), plain, pre, csv_decimals=4)
     assert 0 < plain < sec[("arckv-ha", "repeat_prefill")] * 3  # same forwards, no statistics
     # and the floor of an exact repeat-prefill, from the profiled prefill's attention share
-    from arckv_press.config import CompactionConfig
     from arckv_press.bench.bench_compaction import document_ids
     from arckv_press.bench.repeat_floor import repeat_floor
-    from arckv_press.capture import framing_for, repeat_chunks
+    from arckv_press.capture import REPEAT_CHUNK, framing_for, repeat_chunks
     from arckv_press.haystack import load_haystack
     from arckv_press.models import load_model
 
@@ -102,7 +101,7 @@ def test_model_section_ratios_come_from_the_written_stage_times(tmp_path, capsys
     tok = load_model()[1]
     ids, prefix_len = document_ids(tok, load_haystack(None), 300)
     chunks = [c.shape[-1] for _, _, c in repeat_chunks(tok, ids[:, prefix_len:], framing_for(tok).suffix_ids,
-                                                         CompactionConfig().repeat_chunk)]
+                                                         REPEAT_CHUNK)]
     assert abs(sec[("none", "repeat_floor")] - repeat_floor(pre, kernel / wall, ids.shape[1], chunks)) < 1e-3
     line = next(l for l in printed if "exact repeat-prefill floor" in l)
     assert_ratio_of_rounded(float(line.split("/ prefill ")[1].split()[0]), sec[("none", "repeat_floor")], pre,

@@ -400,7 +400,7 @@ def test_kvzip_after_arckv_attention(tiny_model, tmp_path):
 def test_prefill_with_press_helper(tiny_model):
     model, tok = tiny_model("llama", num_layers=2), _word_tokenizer()
     ids = torch.tensor([framing_for(tok).prefix_ids + tok.encode(_tiny_context(60), add_special_tokens=False)])
-    cache = prefill_with_press(model, make_press("arckv-ha", 0.5, tokenizer=tok, config_options={"allocation": "fixed"}), ids)
+    cache = prefill_with_press(model, make_press("arckv-ha", 0.5, tokenizer=tok, config_options={"budgets": "fixed"}), ids)
     T = ids.shape[1] - 2
     assert [layer.lengths.tolist() for layer in cache.layers] == [[T // 2, T // 2]] * 2
     assert prefill_with_press(model, make_press("knorm", 0.5), ids).get_seq_length() == ids.shape[1] // 2

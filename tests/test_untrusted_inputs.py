@@ -151,7 +151,7 @@ def test_a_genuine_resume_state_resumes_and_a_foreign_or_edited_one_is_refused(t
 
 
 def test_budget_weights_pt_file_with_a_pickle_payload_does_not_run(tiny_model, tiny_tokenizer, tmp_path):
-    """The one other torch.load of the package (``budget_weights=<file>.pt``) uses weights_only=True:
+    """The one other torch.load of the package (``budgets=<file>.pt``) uses weights_only=True:
     the payload is refused and never runs."""
     import pickle
 
@@ -162,7 +162,7 @@ def test_budget_weights_pt_file_with_a_pickle_payload_does_not_run(tiny_model, t
     torch.save(_Payload(marker), path)
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         compact(tiny_model("llama", num_layers=2), tiny_tokenizer(), make_text(70, seed=6), "arckv-vi", 0.25,
-                budget_weights=path, allocation="fixed")
+                budgets=path)
     assert not marker.exists()
 
 

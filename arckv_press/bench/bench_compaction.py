@@ -266,8 +266,7 @@ def floor_stages(model, tok, ids: torch.Tensor, prefix_len: int, prefill_seconds
     share of attention of the profiled prefill applied to the median prefill ``prefill_seconds``, and
     each layer's part of it, window and kernel: a sliding-window layer's queries see at most its
     window, and a kernel run with a mask computed every pair of the square)."""
-    from arckv_press.config import CompactionConfig
-    from arckv_press.capture import framing_for, prefill, repeat_chunks
+    from arckv_press.capture import REPEAT_CHUNK, framing_for, prefill, repeat_chunks
     from arckv_press.models import describe_attention_layout
 
     from .repeat_floor import attention_calls, layer_shares, repeat_floor
@@ -277,7 +276,7 @@ def floor_stages(model, tok, ids: torch.Tensor, prefix_len: int, prefill_seconds
     windows = [layout.sliding_window if kind == "sliding_attention" else None for kind in layout.layer_types]
     doc = ids[:, prefix_len:].cpu()
     chunks = [c.shape[-1] for _, _, c in repeat_chunks(tok, doc, framing_for(tok).suffix_ids,
-                                                         CompactionConfig().repeat_chunk)]
+                                                         REPEAT_CHUNK)]
     kernel, n = sum(calls), len(windows)
     # per layer, whether its kernel ran causal; calls that do not divide into layers: all causal or none
     ran_causal = ([all(causal[i::n]) for i in range(n)] if layer_shares(calls, n) is not None
@@ -290,10 +289,9 @@ def floor_stages(model, tok, ids: torch.Tensor, prefix_len: int, prefill_seconds
 def plain_repeat(model, tok, cache, ids: torch.Tensor, prefix_len: int) -> None:
     """The default chunked repeat-prefill with the model's own attention and no statistics: every
     chunk runs (one captured row per chunk, in one layer), nothing else is gathered."""
-    from arckv_press.config import CompactionConfig
-    from arckv_press.capture import framing_for, repeat_prefill
+    from arckv_press.capture import REPEAT_CHUNK, framing_for, repeat_prefill
 
-    chunk = CompactionConfig().repeat_chunk
+    chunk = REPEAT_CHUNK
     doc = ids[:, prefix_len:]
     repeat_prefill(model, tok, cache, doc, framing_for(tok).suffix_ids, [0], torch.arange(0, doc.shape[1], chunk), chunk)
 

@@ -62,7 +62,7 @@ def parse_config(text: str) -> tuple[str, dict]:
         if key == "pool":
             options.setdefault("config_options", {})["pooling"] = value
         elif key == "alloc":
-            options.setdefault("config_options", {})["allocation"] = value
+            options.setdefault("config_options", {})["budgets"] = value
         elif key == "lam":
             options["lambda_m"] = float(value)
         elif key == "floor":
