@@ -99,6 +99,7 @@ def compact(
     ratio: float = 0.1,
     use_chat_template: bool | None = None,
     progress: bool = False,
+    indexer=None,
     **options,
 ) -> CompactCache:
     """Prefill ``context`` and compact its document tokens with ``method`` at kept fraction ``ratio``.
@@ -107,13 +108,14 @@ def compact(
     to the ARC-KV function (:func:`arckv_press.attention.enable_compact_attention`), which behaves
     as before on ordinary caches. Ask questions by feeding ``question + suffix`` tokens (see
     :func:`arckv_press.capture.framing_for`) with ``past_key_values=cache``. ``options``:
-    :class:`~arckv_press.config.CompactionConfig` fields; ``progress``: tqdm bars.
+    :class:`~arckv_press.config.CompactionConfig` fields; ``progress``: tqdm bars; ``indexer``: the
+    learned indexer of method ``arckv`` (:func:`compact_prefilled`).
     """
     config = CompactionConfig(method=method, ratio=ratio, **options)
     ids, prefix_len = encode_document(tokenizer, context, use_chat_template)
     cache = new_cache(model)
     return compact_prefilled(model, tokenizer, cache, ids, prefix_len, config, use_chat_template=use_chat_template,
-                             progress=progress)
+                             progress=progress, indexer=indexer)
 
 
 @torch.no_grad()
@@ -127,8 +129,13 @@ def compact_prefilled(
     already_prefilled: bool = False,
     use_chat_template: bool | None = None,
     progress: bool = False,
+    indexer=None,
 ) -> CompactCache:
     """Compact the document ``context_ids[:, prefix_len:]`` held in ``cache``, in place.
+
+    ``indexer``: the learned value-aware indexer of method ``arckv`` (an input, like the model, with
+    its own id, :func:`arckv_press.registry.indexer_id`): a checkpoint path or a loaded
+    ``ValueAwareIndexer``; ``None`` takes the checkpoint shipped for the model (an error when none is).
 
     ``cache`` is prefilled here unless ``already_prefilled`` (the press path, where kvpress's
     pipeline ran the prefill).
@@ -159,7 +166,7 @@ def compact_prefilled(
 
     # Indexer and budgets are resolved before the (possibly long) prefill: a missing checkpoint or
     # malformed budget weights fail fast and leave ``cache`` untouched.
-    indexer, shipped_weights = resolve_indexer(config.method, config.indexer, model) if config.ratio < 1.0 else (None, None)
+    indexer, shipped_weights = resolve_indexer(config.method, indexer, model) if config.ratio < 1.0 else (None, None)
     chosen = None  # uniform: Attention Matching, and ARC-KV's global allocation before its top-k
     if config.family == "arckv" and not (isinstance(config.budgets, str) and config.budgets == "global"):
         chosen = shipped_weights if isinstance(config.budgets, str) and config.budgets == "fixed" else config.budgets

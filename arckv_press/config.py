@@ -99,7 +99,6 @@ class CompactionConfig:
             (:func:`ratio_defaults`; 0.25 at every kept fraction, chosen on the fidelity dev split,
             ``docs/methodology.md``).
         query_budget: reference-query rows per KV head (G rows per captured position).
-        indexer: indexer checkpoint path (or a loaded indexer); None = shipped default.
         seed: seed of every random choice (reference-row subsampling).
         budgets: how the kept positions are shared among layer--KV heads (ARC-KV methods;
             Attention Matching keeps uniform budgets, as its code). ``"global"`` (default): one
@@ -148,7 +147,6 @@ class CompactionConfig:
     lambda_m: float | None = None
     pooling: str = "rms"
     query_budget: int = 2048
-    indexer: object = None
     fit: FitConfig = field(default_factory=FitConfig)
     chunk_len: int = 4096
     chunk_min_length: int = 10_000
@@ -226,7 +224,7 @@ class CompactionConfig:
                            self.fit, anchor_search=self.scheduled("anchor_search"))
 
 
-_RUN_ONLY_FIELDS = ("ratio", "indexer")  # never change a result (the indexer has its own id)
+_RUN_ONLY_FIELDS = ("ratio",)  # stored beside the id
 _INDEXER_ONLY_FIELDS = ("indexer_rows",)  # options only the learned indexer's method reads
 _ARCKV_ONLY_FIELDS = ("lambda_m", "budgets", "min_head_fraction", "merge_rows", "anchor_search",
                       "tail_rows")

@@ -168,6 +168,11 @@ class _CompactionPress(BasePress):
         """CompactionConfig fields set by the concrete press (besides ``method``)."""
         return {}
 
+    def compaction_indexer(self) -> Any:
+        """The learned indexer the compaction takes (``indexer`` of
+        :func:`~arckv_press.api.compact_prefilled`); ``None``: the shipped one, or none used."""
+        return None
+
     def compaction_config(self) -> CompactionConfig:
         """The :class:`CompactionConfig` of this press (validated)."""
         own = dict(
@@ -295,6 +300,7 @@ class _CompactionPress(BasePress):
             result = compact_prefilled(
                 model, tokenizer, record.cache, record.input_ids, record.prefix_len, config,
                 already_prefilled=True, use_chat_template=self.use_chat_template, progress=self.progress,
+                indexer=self.compaction_indexer(),
             )
         self.last_report = result.report
 
@@ -348,7 +354,10 @@ class ARCKVPress(_CompactionPress):
         return arckv_method(self.selector).name
 
     def _method_options(self) -> dict[str, Any]:
-        return {"lambda_m": self.lambda_m, "indexer": self.indexer, "min_head_fraction": self.min_head_fraction}
+        return {"lambda_m": self.lambda_m, "min_head_fraction": self.min_head_fraction}
+
+    def compaction_indexer(self) -> Any:
+        return self.indexer
 
 
 @dataclass

@@ -390,7 +390,8 @@ def test_bad_input(tiny_model, tiny_tokenizer):
         CompactionConfig(method="arckv-ha", lambda_m=2.0)
     with pytest.raises(ValueError, match="budgets"):
         CompactionConfig(method="arckv-ha", budgets="uniform")
-    for retired in ("on_policy", "context_fraction", "min_length", "progress", "score_rows", "fit_scope"):
+    for retired in ("on_policy", "context_fraction", "min_length", "progress", "score_rows", "fit_scope", "allocation",
+                    "budget_weights", "repeat_chunk", "indexer"):  # indexer: an argument of compact, not an option
         with pytest.raises(TypeError, match=retired):
             CompactionConfig(method="arckv-ha", **{retired: 1})
     with pytest.raises(ValueError, match="pooling"):

@@ -120,12 +120,15 @@ def run_compaction(model, tok, cache, ids, prefix_len, method: str, ratio: float
     from arckv_press.api import compact_prefilled
     from arckv_press.attention import disable_compact_attention
 
-    config = CompactionConfig(method=method, ratio=ratio, **(options or {}))
+    options = dict(options or {})
+    indexer = options.pop("indexer", None)  # an input of the compaction, not one of its options
+    config = CompactionConfig(method=method, ratio=ratio, **options)
     try:
         with PeakRSS() as rss:
             work = clone_cache(cache)
             t0 = time.perf_counter()
-            result = compact_prefilled(model, tok, work, ids, prefix_len, config, already_prefilled=True)
+            result = compact_prefilled(model, tok, work, ids, prefix_len, config, already_prefilled=True,
+                                       indexer=indexer)
             total = time.perf_counter() - t0
     finally:
         disable_compact_attention(model)

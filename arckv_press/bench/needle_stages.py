@@ -196,8 +196,8 @@ def _stage_ladder(model, tok, args) -> int:
         cells, rows, anchors = [], [], None
         for name, stage in (("full", None), *stages):
             options = stage_options(args.options, stage or {})
-            cid = "full" if stage is None else config_id(
-                CompactionConfig(method=args.method, ratio=args.ratio, **options).for_model(mid))
+            cid = "full" if stage is None else config_id(CompactionConfig(
+                method=args.method, ratio=args.ratio, **{k: v for k, v in options.items() if k != "indexer"}).for_model(mid))
             key = (mid, str(seed), str(args.length), str(depth), name, cid)
             if key in done:
                 cells.append(f"{'(done)':>14}")

@@ -482,7 +482,7 @@ class HFArcKV(HFLM):
                 else:
                     result = compact_prefilled(
                         model, self.tokenizer, cache, ids, req.doc_start, config,
-                        use_chat_template=self._press.use_chat_template,
+                        use_chat_template=self._press.use_chat_template, indexer=self._press.compaction_indexer(),
                     )
             elif self._press is not None:  # kvpress press: compresses the whole prefill
                 method = type(self._press).__name__
