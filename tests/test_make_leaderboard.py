@@ -746,6 +746,25 @@ def test_lm_eval_sample_scores_become_example_scores(tmp_path):
     assert all(r["example_scores"] == "" for r in readers.read_results(path, {}, False, COMMON))
 
 
+def test_a_model_named_by_its_short_name_is_reported_by_its_id(tmp_path):
+    """``run_evals.py --model gemma3-270m`` writes ``pretrained=gemma3-270m``: its rows carry the Hugging
+    Face id the case benchmarks and the compaction records carry, and so take the records' timings;
+    a path or an unregistered id is kept as given."""
+    from arckv_press.models import MODELS
+
+    gemma = MODELS["gemma3-270m"].model_id
+    folder = tmp_path / "ruler" / "arckv_0.1"
+    path = results_json(folder / "results.json", "hf-arckv", "pretrained=gemma3-270m,press=arckv,ratio=0.1",
+                        {"cwe": 0.5}, 1.7e9)
+    recs = records_jsonl(folder / "arckv_compaction.jsonl", "arckv", 0.1, [2.0, 4.0], ["cwe"])
+    recs.write_text(recs.read_text().replace(MODEL, gemma))
+    (got,) = readers.read_results(path, readers.read_records([recs]), False, COMMON)
+    assert got["model"] == gemma != "gemma3-270m"
+    assert float(got["compaction_seconds"]) == pytest.approx(3.0)
+    other = results_json(tmp_path / "x" / "none_1" / "results.json", "hf", "pretrained=/models/my-llama", {"cwe": 0.5}, 1.7e9)
+    assert [r["model"] for r in readers.read_results(other, {}, False, COMMON)] == ["/models/my-llama"]
+
+
 def test_a_group_row_counts_its_subtasks_examples(tmp_path):
     """lm-eval lists no ``n-samples`` for a group: its row's ``n_examples`` is the sum of its subtasks'
     effective counts (a leaf keeps its own), and stays empty when a subtask's count is missing."""

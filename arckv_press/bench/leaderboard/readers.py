@@ -36,6 +36,7 @@ from statistics import mean
 from typing import Any
 
 from arckv_press.bench import ROOT
+from arckv_press.models import named_model_id
 from arckv_press.tasks._common.records import read_jsonl
 from arckv_press.tasks.ruler.generate import TASKS as RULER_SPECS
 
@@ -240,7 +241,9 @@ def read_results(path: Path, records: dict, nocontext: bool, common: dict[str, s
     data = _canonical_results(data, path)
     config = data.get("config") or {}
     args = parse_model_args(config.get("model_args"))
-    model = args.get("pretrained") or data.get("model_name") or str(config.get("model", "unknown"))
+    # a model named by its short name (``--model gemma3-270m``) is reported by its Hugging Face id,
+    # as the case benchmarks and the compaction records report it
+    model = named_model_id(args.get("pretrained") or data.get("model_name") or str(config.get("model", "unknown")))
     if nocontext or str(args.get("drop_document", "")).lower() in ("true", "1", "yes"):
         method, ratio = "no-context", "0"
     elif config.get("model") == "hf-arckv":
