@@ -194,7 +194,7 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from arckv_press.config import MODEL_RATIO_SCHEDULES, RATIO_SCHEDULE, CompactionConfig
+    from arckv_press.config import METHOD_SCHEDULES, MODEL_RATIO_SCHEDULES, RATIO_SCHEDULE, CompactionConfig
     from arckv_press.compaction.layer import ANCHOR_SEARCHES
     from arckv_press.methods import COMPACTION_METHODS
     from arckv_press.models import model_help
@@ -212,9 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", type=kept_fraction, default=0.1, help="kept fraction rho in (0, 1]")
     def schedule(field: str) -> str:
         """The default of ``field`` by kept fraction, as RATIO_SCHEDULE gives it (the default model's;
-        a model with its own schedule, arckv_press.config.MODEL_RATIO_SCHEDULES, is named)."""
+        a model with its own schedule, arckv_press.config.MODEL_RATIO_SCHEDULES, and a method with its
+        own value, METHOD_SCHEDULES, are named)."""
         values = [getattr(step, field) for step in RATIO_SCHEDULE]
-        own = f"; models with their own schedule: {', '.join(MODEL_RATIO_SCHEDULES)}"
+        own = f"; models with their own schedule: {', '.join(MODEL_RATIO_SCHEDULES)}" + "".join(
+            f"; {name}: {given[field]}" for name, given in METHOD_SCHEDULES.items() if field in given)
         if len(set(values)) == 1:
             return f"{values[0]} at every kept fraction{own}"
         runs = []  # (value, lowest kept fraction) of each run of steps with the same value, largest first

@@ -21,8 +21,8 @@ from arckv_press.compaction.select import POOLINGS
 from arckv_press.methods import method as lookup_method
 from arckv_press.models import GEMMA3_MODEL_ID
 
-__all__ = ["CompactionConfig", "config_id", "RATIO_SCHEDULE", "MODEL_RATIO_SCHEDULES", "RatioDefaults", "ratio_defaults",
-           "ratio_schedule", "SCHEDULED", "INDEXER_ROWS", "BUDGETS", "SCORE_SHRINK", "MIN_LENGTH"]
+__all__ = ["CompactionConfig", "config_id", "RATIO_SCHEDULE", "MODEL_RATIO_SCHEDULES", "METHOD_SCHEDULES",
+           "RatioDefaults", "ratio_defaults", "ratio_schedule", "SCHEDULED", "INDEXER_ROWS", "BUDGETS", "SCORE_SHRINK", "MIN_LENGTH"]
 
 INDEXER_ROWS = ("all", "budget")  # CompactionConfig.indexer_rows, besides a row count
 BUDGETS = ("global", "fixed")  # CompactionConfig.budgets, besides weights (a tensor or a file)
@@ -52,7 +52,7 @@ class RatioDefaults:
 # top-t's scores also pool 512 tail rows, chosen on development needle cases (docs/studies/needle_end.md):
 # without them, heads that read only nearby text never see the end of the document in the reference
 # pass, and needles there are lost; at keep 5% they raised the development split's mean continuation
-# damage by 0.025, so below keep 10% there are none.
+# damage by 0.025, so below keep 10% there are none; ``arckv-vi`` takes none at all (METHOD_SCHEDULES).
 RATIO_SCHEDULE: tuple[RatioDefaults, ...] = (RatioDefaults(0.1, 0.25, "scores", 512), RatioDefaults(0.05, 0.25, "scores"),
                                              RatioDefaults(0.0, 0.25, "omp"))
 
@@ -64,6 +64,13 @@ RATIO_SCHEDULE: tuple[RatioDefaults, ...] = (RatioDefaults(0.1, 0.25, "scores", 
 MODEL_RATIO_SCHEDULES: dict[str, tuple[RatioDefaults, ...]] = {
     GEMMA3_MODEL_ID: (RatioDefaults(0.0, 0.25, "omp"),),
 }
+
+
+# Methods whose own development cases chose another value of a scheduled option, at every kept fraction
+# (``docs/studies/needle_end.md``, "arckv-vi and the tail rows"). The tail rows were chosen on the
+# learned indexer's (``arckv``) cases; with VI's scores they moved anchors off the rest of the document:
+# on development needle cases VI lost needles at depths 25-50% with them and found no more at the end.
+METHOD_SCHEDULES: dict[str, dict[str, object]] = {"arckv-vi": {"tail_rows": 0}}
 
 
 def ratio_schedule(model_id: str | None = None) -> tuple[RatioDefaults, ...]:
@@ -139,7 +146,7 @@ class CompactionConfig:
             attend to the copy itself) see the end in these rows alone. At most a quarter of the
             document is repeated (:data:`~arckv_press.capture.TAIL_FRACTION`). ``0``: off; ``None``
             (default) takes it from :data:`RATIO_SCHEDULE` at ``ratio`` (512 at keep 10% and above,
-            0 below; Gemma 3's schedule: 0).
+            0 below; Gemma 3's schedule: 0; ``arckv-vi``: 0, :data:`METHOD_SCHEDULES`).
     """
 
     method: str = "arckv"
@@ -208,10 +215,13 @@ class CompactionConfig:
 
     def scheduled(self, name: str, model_id: str | None = None):
         """Option ``name`` (one of :data:`SCHEDULED`) as used at this config's kept fraction: the value
-        given, or model ``model_id``'s schedule's when ``None`` (:func:`ratio_defaults`; ``None``:
-        the default model's)."""
+        given, or when ``None`` this method's own value (:data:`METHOD_SCHEDULES`), else model
+        ``model_id``'s schedule's (:func:`ratio_defaults`; ``None``: the default model's)."""
         value = getattr(self, name)
-        return getattr(ratio_defaults(self.ratio, model_id), name) if value is None else value
+        if value is not None:
+            return value
+        own = METHOD_SCHEDULES.get(self.method, {})
+        return own[name] if name in own else getattr(ratio_defaults(self.ratio, model_id), name)
 
     def for_model(self, model_id: str | None) -> "CompactionConfig":
         """This config with the :data:`SCHEDULED` options set where they are ``None``, to model

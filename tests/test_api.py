@@ -657,6 +657,28 @@ def test_a_models_own_schedule_resolves_its_defaults_and_keeps_given_options():
     assert (given.lambda_m, given.anchor_search) == (0.5, "scores")
 
 
+def test_a_methods_own_schedule_wins_over_the_models_and_given_options_win_over_it():
+    """``METHOD_SCHEDULES``: ``arckv-vi`` takes its own tail rows at every kept fraction and on every
+    model, the other methods the schedule's; its id is that of the same value given explicitly, and a
+    value given by the user still wins."""
+    from arckv_press.config import METHOD_SCHEDULES, SCHEDULED, config_id
+    from arckv_press.models import DEFAULT_MODEL_ID, GEMMA3_MODEL_ID
+
+    assert set(METHOD_SCHEDULES["arckv-vi"]) <= set(SCHEDULED)
+    own = METHOD_SCHEDULES["arckv-vi"]["tail_rows"]
+    for ratio in (1.0, 0.2, 0.1, 0.05, 0.02):
+        for model in (None, DEFAULT_MODEL_ID, GEMMA3_MODEL_ID):
+            vi = CompactionConfig(method="arckv-vi", ratio=ratio)
+            assert vi.scheduled("tail_rows", model) == vi.for_model(model).tail_rows == own
+            ha = CompactionConfig(method="arckv-ha", ratio=ratio)
+            assert ha.for_model(model).tail_rows == (512 if ratio >= 0.1 and model != GEMMA3_MODEL_ID else 0)
+        assert config_id(CompactionConfig(method="arckv-vi", ratio=ratio)) == config_id(
+            CompactionConfig(method="arckv-vi", ratio=ratio, tail_rows=own))
+        assert CompactionConfig(method="arckv-vi", ratio=ratio, tail_rows=300).scheduled("tail_rows") == 300
+    assert config_id(CompactionConfig(method="arckv-vi", ratio=0.1)) != config_id(
+        CompactionConfig(method="arckv-vi", ratio=0.1, tail_rows=512))
+
+
 def test_compaction_runs_its_models_schedule(tiny_model, tiny_tokenizer, monkeypatch):
     """``compact`` resolves the config for the model it compacts: a model given Gemma 3's id compacts
     exactly as the same model with Gemma 3's anchor search given by hand, and unlike the default

@@ -113,7 +113,7 @@ def test_compact_help_states_the_configs_defaults():
     assert f"(default: by kept fraction, scores at ratio >= 0.05, omp below{own}" in helps["anchor_search"]
     assert f"(default {defaults.min_head_fraction};" in helps["min_head_fraction"]
     assert defaults.tail_rows is None  # consecutive steps with the same value are one run
-    assert f"default: by kept fraction, 512 at ratio >= 0.1, 0 below{own}" in helps["tail_rows"]
+    assert f"default: by kept fraction, 512 at ratio >= 0.1, 0 below{own[:-1]}; arckv-vi: 0)" in helps["tail_rows"]
     parser = cli.build_parser()
     assert parser.parse_args(["compact", "doc.txt", "--tail-rows", "0"]).tail_rows == 0
     with pytest.raises(SystemExit):
