@@ -67,7 +67,7 @@ MODEL_RATIO_SCHEDULES: dict[str, tuple[RatioDefaults, ...]] = {
 
 
 # Methods whose own development cases chose another value of a scheduled option, at every kept fraction
-# (``docs/studies/needle_end.md``, "arckv-vi and the tail rows"). The tail rows were chosen on the
+# (``docs/studies/needle_end.md``, "`arckv-vi` takes no tail rows"). The tail rows were chosen on the
 # learned indexer's (``arckv``) cases; with VI's scores they moved anchors off the rest of the document:
 # on development needle cases VI lost needles at depths 25-50% with them and found no more at the end.
 METHOD_SCHEDULES: dict[str, dict[str, object]] = {"arckv-vi": {"tail_rows": 0}}
