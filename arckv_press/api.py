@@ -296,21 +296,7 @@ def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Te
     base_rows = grouped_rows(torch.cat([base_pos, after]), N, G)
     score_rows = grouped_rows(score_pos, N, G)
     t0 = time.perf_counter()
-    scores = {}
-    for i in layers:
-        if selector == "indexer":  # indexer_rows: every captured row, the budget rows, or a sample corrected
-            K, V = run.kv(i)
-            X = torch.cat(cap.store.x.pop(i), dim=0)
-            Q = queries[i][:, score_rows.to(K.device)]
-            if config.corrected_scores:
-                sample, sample_base = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling,
-                                                     base=True, base_scale=_scaling(run.model, i))
-                scores[i] = corrected_scores(cap.stats[i].scores, sample, sample_base, config.pooling,
-                                             SCORE_SHRINK, Q.shape[1] / queries[i].shape[1])
-            else:
-                scores[i] = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling)
-        else:
-            scores[i] = cap.stats[i].scores
+    scores = selection_scores(run, indexer, selector, cap, queries, score_rows)
     if isinstance(config.budgets, str) and config.budgets == "global":
         budgets = global_budgets(torch.stack([scores[i].float() for i in layers]), config.ratio,
                                  min_fraction=config.min_head_fraction)
@@ -335,6 +321,30 @@ def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Te
     if bar is not None:
         bar.close()
     return results, n_rows
+
+
+def selection_scores(run: _Run, indexer, selector: str, cap, queries: dict[int, torch.Tensor],
+                     score_rows: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Per compacted layer, the anchor scores ``[H, T]`` that allocation and the top-t read (paper Eq.
+    (background_value_selectors) pooled by the reference pass, or the learned indexer's, Eq.
+    (indexer_pooling)); pops the pass's ``q_proj`` inputs of each layer it scores."""
+    config, G = run.config, run.G
+    scores = {}
+    for i in run.layers:
+        if selector == "indexer":  # indexer_rows: every captured row, the budget rows, or a sample corrected
+            K, V = run.kv(i)
+            X = torch.cat(cap.store.x.pop(i), dim=0)
+            Q = queries[i][:, score_rows.to(K.device)]
+            if config.corrected_scores:
+                sample, sample_base = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling,
+                                                     base=True, base_scale=_scaling(run.model, i))
+                scores[i] = corrected_scores(cap.stats[i].scores, sample, sample_base, config.pooling,
+                                             SCORE_SHRINK, Q.shape[1] / queries[i].shape[1])
+            else:
+                scores[i] = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling)
+        else:
+            scores[i] = cap.stats[i].scores
+    return scores
 
 
 def extra_rows(positions: torch.Tensor, T: int, n_tail: int) -> torch.Tensor:

@@ -1005,6 +1005,9 @@ def test_needle_stages_table_counts_finds_per_depth_and_the_stage_that_first_los
                  for stage, ok in zip(("evict", "+mass", "+values", "+merge"), found[1:])]
     rows.insert(1, r(1, "0.9", "evict", 0))            # replaced by the rerun below it
     rows += [r(2, "0.8", "evict", 1, near), r(2, "0.8", "+merge", 1, near)]
+    oracle = "python scripts/needle_stages.py --stages --oracle"
+    rows += [{**r(3, "0.9", "evict", 1, oracle), "anchors": "oracle"},
+             {**r(3, "0.9", "+merge", 0, oracle + " --option lambda_m=0.5"), "anchors": "oracle"}]
     lines = needle_stages_markdown(rows).splitlines()
     assert lines[0] == "| length | options | stage | 80% | 90% | all | first lost |"
     assert lines[2:] == [
@@ -1015,6 +1018,8 @@ def test_needle_stages_table_counts_finds_per_depth_and_the_stage_that_first_los
         "| 1,500 | defaults | +merge | 0/2 | 1/2 | 1/4 | 1 |",   # seed 2
         "| 1,500 | near_rows=True | evict | 1/1 |  | 1/1 | 0 |",
         "| 1,500 | near_rows=True | +merge | 1/1 |  | 1/1 | 0 |",
+        "| 1,500 | oracle anchors | evict |  | 1/1 | 1/1 | 0 |",
+        "| 1,500 | oracle anchors, lambda_m=0.5 | +merge |  | 0/1 | 0/1 | 1 |",
     ]
 
 

@@ -148,3 +148,105 @@ def test_stage_ladder_writes_one_row_per_stage_and_resumes(tiny_model, tmp_path,
     keep = ("seed", "stage", "config_id", "answer", "correct", "heads_all_kept", "heads_none_kept")
     assert [{k: r[k] for k in keep} for r in read_rows(only)] == [
         {k: r[k] for k in keep} for r in rows if r["stage"] in ("full", "+merge")]
+
+
+def test_oracle_scores_and_ranks_against_brute_force():
+    """Each key's largest softmax probability over the grouped query heads' rows, computed one query
+    at a time; ranks from a Python sort (ties: the lower position first)."""
+    from arckv_press.bench.needle_stages import oracle_scores, score_ranks
+
+    g = torch.Generator().manual_seed(3)
+    H, G, n, N, D = 2, 3, 4, 17, 8
+    Q, K = torch.randn(H * G, n, D, generator=g), torch.randn(H, N, D, generator=g)
+    got = oracle_scores(Q, K, 0.7)
+    assert got.shape == (H, N)
+    for h in range(H):
+        want = [max(float(torch.softmax(0.7 * (Q[hq, r] @ K[h].T), -1)[j]) for hq in range(h * G, h * G + G)
+                    for r in range(n)) for j in range(N)]
+        torch.testing.assert_close(got[h], torch.tensor(want), atol=1e-6, rtol=1e-5)
+    scores = torch.tensor([[0.5, 0.9, 0.5, 0.1], [0.0, 0.0, 1.0, 0.0]])
+    brute = [[sorted(range(4), key=lambda j: (-float(row[j]), j)).index(p) for p in (0, 2, 3)] for row in scores]
+    assert score_ranks(scores, [0, 2, 3]) == brute == [[1, 2, 3], [1, 0, 3]]
+    import pytest
+    with pytest.raises(ValueError, match="do not group"):
+        oracle_scores(torch.randn(3, 1, D), K, 1.0)
+
+
+def test_scores_of_the_pass_reports_and_replaces_the_scores_selection_reads(tiny_model, tiny_tokenizer):
+    """Without a replacement the compact cache is the one of a plain run and ``seen`` holds the
+    pass's scores, whose top-t are the kept positions; with one, each head keeps the top-t of the
+    replacement (a brute-force sort), every stage after selection unchanged."""
+    import pytest
+
+    from arckv_press.api import compact
+    from arckv_press.bench.needle_stages import STAGES, scores_of_the_pass, stage_options
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    text = "filler words go here and there, " * 8 + "the access code is 4711. " + "and a last line."
+    evict = stage_options({"anchor_search": "scores"}, dict(STAGES)["evict"])
+    with torch.inference_mode():
+        plain = compact(model, tok, text, "arckv-ha", 0.25, **evict)
+        seen = {}
+        with scores_of_the_pass(None, seen):
+            same = compact(model, tok, text, "arckv-ha", 0.25, **evict)
+        T = plain.metadata.extra["report"]["original_length"]
+        ramp = {i: torch.arange(T, dtype=torch.float32).flip(0).repeat(s.shape[0], 1) * (1 + h)
+                for h, (i, s) in enumerate(seen.items())}  # the first positions highest
+        with scores_of_the_pass(ramp):
+            moved = compact(model, tok, text, "arckv-ha", 0.25, **evict)
+        with pytest.raises(ValueError, match="scores of shape"):
+            with scores_of_the_pass({i: s[:, :-1] for i, s in ramp.items()}):
+                compact(model, tok, text, "arckv-ha", 0.25, **evict)
+    assert set(seen) == set(plain.kept_positions) == {0, 1}
+    for i, pos in plain.kept_positions.items():
+        assert torch.equal(same.kept_positions[i], pos)
+        torch.testing.assert_close(same.layers[i].ck, plain.layers[i].ck, atol=0, rtol=0)
+        for h, row in enumerate(pos):
+            keep = sorted(row[row >= 0].tolist())
+            order = sorted(range(T), key=lambda j: (-float(seen[i][h, j]), j))
+            assert sorted(order[:len(keep)]) == keep
+        for h, row in enumerate(moved.kept_positions[i]):
+            keep = sorted(row[row >= 0].tolist())
+            assert keep == list(range(len(keep)))  # the ramp's top-t: the first positions
+
+
+def test_oracle_ladder_rows_sit_beside_the_methods_and_resume(tiny_model, tmp_path, capsys):
+    """``--stages --oracle``: rows marked ``anchors=oracle`` beside the method's in one CSV (the full
+    cache's row shared), the needle's ranks printed by both scores, a rerun skips what is done, and
+    ``--oracle`` without ``--stages`` is refused. (That the anchors are the top-t of the scores
+    given is tested above, with ``scores_of_the_pass``.)"""
+    import json
+
+    from conftest import build_tiny_tokenizer, make_text
+
+    from arckv_press.bench import needle_stages
+    from arckv_press.runinfo import read_rows
+
+    model = tiny_model("llama", num_layers=2, seed=0)
+    model.config.eos_token_id = 2
+    model.save_pretrained(tmp_path / "model")
+    build_tiny_tokenizer().save_pretrained(tmp_path / "model")
+    articles = tmp_path / "articles.jsonl"
+    articles.write_text(json.dumps({"input": make_text(2500, seed=0)}) + "\n", encoding="utf-8")
+    out = tmp_path / "stages.csv"
+    argv = ["--stages", "--model", str(tmp_path / "model"), "--articles", str(articles), "--length", "300",
+            "--seeds", "0", "--depths", "0.5", "--ratio", "0.25", "--out", str(out), "--threads", "1",
+            "--only", "evict", "+merge"]
+    assert needle_stages.main(argv) == 0
+    assert needle_stages.main([*argv, "--oracle"]) == 0
+    printed = capsys.readouterr().out
+    assert "by the oracle's" in printed
+    rows = read_rows(out)
+    assert [(r["stage"], r["anchors"]) for r in rows] == [
+        ("full", ""), ("evict", "method"), ("+merge", "method"), ("evict", "oracle"), ("+merge", "oracle")]
+    assert needle_stages.main([*argv, "--oracle"]) == 0
+    assert "(done)" in capsys.readouterr().out and len(read_rows(out)) == len(rows)
+    # the layer sweep and one layer's heads (their teacher-forced queries are the oracle's)
+    assert needle_stages.main(["--model", str(tmp_path / "model"), "--articles", str(articles), "--length", "300",
+                               "--seed", "0", "--depth", "0.5", "--ratio", "0.25", "--layer", "1",
+                               "--threads", "1"]) == 0
+    assert "layer 1: the answer's queries" in capsys.readouterr().out
+    import pytest
+    with pytest.raises(SystemExit):  # --oracle is a stage ladder
+        needle_stages.main(["--oracle", "--model", str(tmp_path / "model")])
+    assert "add --stages" in capsys.readouterr().err

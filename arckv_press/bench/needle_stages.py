@@ -27,6 +27,13 @@ the context with a method and compares it with the full cache of the same prefil
 
 ``--only`` runs some of the stages (``+merge`` alone: the method as configured, the full cache beside it).
 
+``--oracle`` runs the ladder on oracle anchors instead of the method's: each compacted head keeps the
+positions the question's own queries read most (:func:`oracle_scores`: teacher-forced with the right
+answer on the full cache, each key's largest attention probability over them), top-t under the
+global budgets those scores give. No compactor can know these; they bound what selection alone can
+win, and show whether the stages after selection keep a needle that is among the anchors. It also
+prints each compacted head's ranks of the needle's tokens by the method's own scores and by the oracle's.
+
 Prints only, except ``--stages --out``, which appends one row per case and stage to a CSV
 (resumable: cases already there are skipped).
 """
@@ -34,13 +41,14 @@ Prints only, except ``--stages --out``, which appends one row per case and stage
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 from pathlib import Path
 
 import torch
 
 __all__ = ["value_positions", "swap_layers", "layer_sweep", "head_report", "STAGES", "stage_options", "needle_kept",
-           "main"]
+           "oracle_scores", "score_ranks", "question_queries", "scores_of_the_pass", "main"]
 
 # One step of the method added per stage, on the same anchors (the options a stage sets over the run's own)
 STAGES: tuple[tuple[str, dict], ...] = (
@@ -49,6 +57,11 @@ STAGES: tuple[tuple[str, dict], ...] = (
     ("+values", {"lambda_m": 0.0}),
     ("+merge", {}),
 )
+
+
+# The stage ladder's CSV columns before the run metadata (runinfo.run_meta)
+LADDER_COLUMNS = ("model", "method", "ratio", "seed", "length", "depth", "stage", "config_id", "answer", "value",
+                  "correct", "needle_tokens", "heads_all_kept", "heads_none_kept", "heads", "anchors")
 
 
 def value_positions(doc_ids: list[int], value_ids: list[int]) -> list[int]:
@@ -106,6 +119,73 @@ def needle_kept(kept_positions: dict[int, torch.Tensor], needle: list[int]) -> d
 
 
 @torch.no_grad()
+def oracle_scores(Q: torch.Tensor, K: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Oracle anchor scores ``[H, N]``: for each KV head and key of ``K [H, N, D]``, the largest
+    attention probability any of the queries ``Q [Hq, n, D]`` gives it (softmax over the N keys at
+    ``scaling``; query head ``hq`` reads KV head ``hq // G``, grouped-query attention). With the
+    question's own queries these are the positions it reads: a bound no compactor can reach."""
+    H, (Hq, n, D) = K.shape[0], Q.shape
+    if Hq % H:
+        raise ValueError(f"{Hq} query heads do not group over {H} KV heads")
+    logits = scaling * Q.float().reshape(H, (Hq // H) * n, D) @ K.float().transpose(-1, -2)
+    return torch.softmax(logits, dim=-1).amax(dim=1)
+
+
+def score_ranks(scores: torch.Tensor, positions: list[int]) -> list[list[int]]:
+    """Per head (row of ``scores [H, T]``), the rank of each of ``positions`` (0 = the highest score;
+    ties broken by the lower position, as a stable sort does)."""
+    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
+    return rank[:, positions].tolist()
+
+
+@torch.no_grad()
+def question_queries(model, tok, full, needle, n_ctx: int, layers: list[int]) -> dict[int, torch.Tensor]:
+    """Post-RoPE queries ``[Hq, n, D]`` of ``layers`` for the question, its answer prefix and the right
+    answer (teacher-forced on a copy of the ``full`` cache of ``n_ctx`` context tokens)."""
+    from arckv_press.capture import CapturedQueries, QueryCapture
+    from arckv_press.framing import question_ids
+
+    qids = torch.tensor([question_ids(tok, needle.question, needle.prefix() + " " + needle.value)])
+    store = CapturedQueries()
+    with torch.inference_mode(), QueryCapture(model, list(layers), store) as cap:
+        cap.rows = torch.arange(qids.shape[1])
+        model.model(input_ids=qids, past_key_values=copy.deepcopy(full),
+                    position_ids=torch.arange(n_ctx, n_ctx + qids.shape[1])[None])
+    return {i: torch.cat(store.q[i], 1) for i in layers}
+
+
+@contextlib.contextmanager
+def scores_of_the_pass(replace: dict[int, torch.Tensor] | None = None, seen: dict | None = None):
+    """Diagnostics only: while active, the anchor scores :func:`arckv_press.api.compact` selects by
+    (:func:`arckv_press.api.selection_scores`: HA / VI pooled by the reference pass, or the learned
+    indexer's) for layer ``i`` are replaced by ``replace[i]`` (``[H, T]``; its own when ``None``), and
+    ``seen[i]`` receives the method's own. Allocation and the top-t then run on them, the rest of the
+    method unchanged."""
+    from unittest import mock
+
+    import arckv_press.api as api
+
+    own_scores = api.selection_scores
+
+    def swap(*args, **kwargs):
+        scores = own_scores(*args, **kwargs)
+        if seen is not None:
+            seen.update(scores)
+        if replace is None:
+            return scores
+        for i, mine in scores.items():
+            if tuple(replace[i].shape) != tuple(mine.shape):
+                raise ValueError(f"layer {i}: scores of shape {tuple(replace[i].shape)}, the method's are "
+                                 f"{tuple(mine.shape)}")
+        return {i: replace[i].to(dtype=mine.dtype, device=mine.device) for i, mine in scores.items()}
+
+    with mock.patch.object(api, "selection_scores", swap):
+        yield
+
+
+@torch.no_grad()
 def head_report(layer, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scaling: float, needle: list[int]) -> list[dict]:
     """Per query head: attention mass of queries ``Q [Hq, n, D]`` on the ``needle`` positions of the
     full document keys ``K, V [H, T, D]``, and the relative error of the compact ``layer``'s
@@ -143,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=[name for name, _ in STAGES], default=None,
                         help="--stages: run only these stages (besides the full cache); '+merge' is the method as "
                              "configured")
+    parser.add_argument("--oracle", action="store_true",
+                        help="--stages: oracle anchors (the question's own attention) instead of the method's")
     parser.add_argument("--model", default=None)
     parser.add_argument("--articles", default=None)
     add_option_argument(parser)
@@ -152,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.out is not None and not args.stages:
         parser.error("--out writes the rows of --stages")
+    if args.oracle and not args.stages:
+        parser.error("--oracle runs the stage ladder: add --stages")
     model, tok = load_model(args.model)
     if args.stages:
         return _stage_ladder(model, tok, args)
@@ -177,34 +261,51 @@ def _stage_ladder(model, tok, args) -> int:
 
     from arckv_press.api import compact
     from arckv_press.cache import new_cache
-    from arckv_press.capture import prefill
+    from arckv_press.capture import decoder_layers, prefill
     from arckv_press.config import CompactionConfig, config_id
     from arckv_press.generation import answer
-    from arckv_press.models import model_id
-    from arckv_press.runinfo import append_rows, read_rows, run_meta
+    from arckv_press.models import describe_attention_layout, model_id
+    from arckv_press.runinfo import add_columns, append_rows, read_rows, run_meta
 
     mid = model_id(model)
-    done = {(r["model"], r["seed"], r["length"], r["depth"], r["stage"], r["config_id"])
-            for r in read_rows(args.out)} if args.out is not None else set()
+    anchors_of = "oracle" if args.oracle else "method"
     meta = run_meta()
+    if args.out is not None:
+        add_columns(args.out, [*LADDER_COLUMNS, *meta], {"anchors": "method"})  # files from before the column
+    done = {(r["model"], r["seed"], r["length"], r["depth"], r["stage"], r["config_id"],
+             "" if r["stage"] == "full" else r["anchors"]) for r in read_rows(args.out)} if args.out is not None else set()
+    layers = list(describe_attention_layout(model).full_attention_layers)
     cases = [(seed, depth) for seed in (args.seeds or [args.seed]) for depth in (args.depths or [args.depth])]
-    print(f"{args.method}, keep {args.ratio:g}, {args.length} tokens, options {args.options}")
+    print(f"{args.method}, keep {args.ratio:g}, {args.length} tokens, options {args.options}, {anchors_of}'s anchors")
     stages = [(name, stage) for name, stage in STAGES if args.only is None or name in args.only]
     print(f"{'seed':>4} {'depth':>5}  " + "  ".join(f"{name:>14}" for name in ("full", *dict(stages))))
     for seed, depth in tqdm(cases, desc="cases", disable=len(cases) < 2):
         needle, context, ids, P, positions = _case(tok, args, seed, depth)
+        oracle, own, ranks = None, {}, []
+        if args.oracle:
+            with torch.inference_mode():
+                full = prefill(model, ids, new_cache(model))
+            Q = question_queries(model, tok, full, needle, ids.shape[1], layers)
+            oracle = {i: oracle_scores(Q[i], full.layers[i].keys[0], float(decoder_layers(model)[i].self_attn.scaling))
+                      [:, P:] for i in layers}
+            del full
         cells, rows, anchors = [], [], None
         for name, stage in (("full", None), *stages):
             options = stage_options(args.options, stage or {})
+            if args.oracle and stage is not None:
+                options["anchor_search"] = "scores"  # the top-t of the oracle's scores
             cid = "full" if stage is None else config_id(CompactionConfig(
                 method=args.method, ratio=args.ratio, **{k: v for k, v in options.items() if k != "indexer"}).for_model(mid))
-            key = (mid, str(seed), str(args.length), str(depth), name, cid)
+            key = (mid, str(seed), str(args.length), str(depth), name, cid, "" if stage is None else anchors_of)
             if key in done:
                 cells.append(f"{'(done)':>14}")
                 continue
             with torch.inference_mode():
-                cc = prefill(model, ids, new_cache(model)) if stage is None else compact(
-                    model, tok, context, method=args.method, ratio=args.ratio, **options)
+                if stage is None:
+                    cc = prefill(model, ids, new_cache(model))
+                else:
+                    with scores_of_the_pass(oracle, own):
+                        cc = compact(model, tok, context, method=args.method, ratio=args.ratio, **options)
                 text = answer(model, tok, cc, needle.question, 12, needle.prefix(), context_length=ids.shape[1]).strip()
             found = needle.value in text
             if stage is None:
@@ -212,10 +313,14 @@ def _stage_ladder(model, tok, args) -> int:
                 rows.append({"model": mid, "method": "none", "ratio": 1.0, "seed": seed, "length": args.length,
                              "depth": depth, "stage": name, "config_id": cid, "answer": text, "value": needle.value,
                              "correct": int(found), "needle_tokens": len(positions), "heads_all_kept": "",
-                             "heads_none_kept": "", "heads": "", **meta})
+                             "heads_none_kept": "", "heads": "", "anchors": "", **meta})
                 continue
             if anchors is None:
                 anchors = cc.kept_positions
+                ranks = [f"layer {i}: kept {[int((r >= 0).sum()) for r in cc.kept_positions[i]]}, needle ranks by "
+                         f"the method's scores {score_ranks(own[i], positions)}"
+                         + (f", by the oracle's {score_ranks(oracle[i], positions)}" if oracle else "")
+                         for i in layers if own.get(i) is not None]
             elif any(not torch.equal(anchors[i], cc.kept_positions[i]) for i in anchors):
                 raise RuntimeError(f"stage {name!r} kept other positions than stage {stages[0][0]!r}: the stages "
                                    "must differ only after selection")
@@ -226,8 +331,11 @@ def _stage_ladder(model, tok, args) -> int:
                          "depth": depth, "stage": name, "config_id": cid, "answer": text, "value": needle.value,
                          "correct": int(found), "needle_tokens": len(positions),
                          "heads_all_kept": sum(n == len(positions) for n in heads),
-                         "heads_none_kept": sum(n == 0 for n in heads), "heads": len(heads), **meta})
+                         "heads_none_kept": sum(n == 0 for n in heads), "heads": len(heads), "anchors": anchors_of,
+                         **meta})
         print(f"{seed:>4} {depth:>5}  " + "  ".join(cells))
+        for line in ranks:
+            print(f"            {line}")
         if args.out is not None and rows:
             append_rows(args.out, rows, list(rows[0]))
     return 0
@@ -236,8 +344,7 @@ def _stage_ladder(model, tok, args) -> int:
 def _layer_sweep(model, tok, args) -> int:
     from arckv_press.api import compact
     from arckv_press.cache import new_cache
-    from arckv_press.capture import CapturedQueries, QueryCapture, decoder_layers, prefill
-    from arckv_press.framing import question_ids
+    from arckv_press.capture import decoder_layers, prefill
     from arckv_press.generation import answer
 
     needle, context, ids, P, positions = _case(tok, args, args.seed, args.depth)
@@ -263,15 +370,9 @@ def _layer_sweep(model, tok, args) -> int:
         print(f"layers {'<' if name == 'below' else '>='} k compact: "
               + "  ".join(f"{k}:{mark(a)}" for k, a in sweep[name].items()))
     if args.layer is not None:
-        qids = torch.tensor([question_ids(tok, needle.question, needle.prefix() + " " + needle.value)])
-        store = CapturedQueries()
-        cache = copy.deepcopy(full)
-        with torch.inference_mode(), QueryCapture(model, [args.layer], store) as cap:
-            cap.rows = torch.arange(qids.shape[1])
-            model.model(input_ids=qids, past_key_values=cache,
-                        position_ids=torch.arange(ids.shape[1], ids.shape[1] + qids.shape[1])[None])
         n = len(tok.encode(" " + needle.value, add_special_tokens=False))
-        Q = torch.cat(store.q[args.layer], 1)[:, -n - 1:]  # the answer prefix's last token and the answer
+        Q = question_queries(model, tok, full, needle, ids.shape[1], [args.layer])[args.layer][:, -n - 1:]
+        # the answer prefix's last token and the answer
         K = full.layers[args.layer].keys[0, :, P:]
         V = full.layers[args.layer].values[0, :, P:]
         scaling = float(decoder_layers(model)[args.layer].self_attn.scaling)

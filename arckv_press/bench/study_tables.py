@@ -281,7 +281,8 @@ def needle_stages_markdown(rows: list[dict]) -> str:
     depth and in all, and "first lost": the cases the full cache finds and the stage before finds
     (the full cache, for the first stage) but this stage does not, so the stage that loses a needle
     is the row that counts it. The full cache's row is shared by every run of a length (it depends
-    on no option); a rerun of a case replaces its row."""
+    on no option); a rerun of a case replaces its row. Rows of ``--oracle`` runs (``anchors``
+    ``oracle``) are labelled "oracle anchors"."""
     from arckv_press.bench.needle_stages import STAGES
 
     names = ["full", *(name for name, _ in STAGES)]
@@ -289,6 +290,8 @@ def needle_stages_markdown(rows: list[dict]) -> str:
     for r in rows:
         given = _options(r.get("command", ""))
         label = " ".join(f"{k}={v}" for k, v in given.items()) if given else "defaults"
+        if r.get("anchors") == "oracle":  # needle_stages.py --oracle: the question's own top positions
+            label = "oracle anchors" + ("" if label == "defaults" else ", " + label)
         key = (int(r["length"]), "" if r["stage"] == "full" else label, r["stage"])
         found[key][(r["seed"], r["depth"])] = r["correct"] == "1"
     depths = sorted({case[1] for cases in found.values() for case in cases}, key=float)
