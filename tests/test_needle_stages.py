@@ -241,6 +241,10 @@ def test_oracle_ladder_rows_sit_beside_the_methods_and_resume(tiny_model, tmp_pa
         ("full", ""), ("evict", "method"), ("+merge", "method"), ("evict", "oracle"), ("+merge", "oracle")]
     assert needle_stages.main([*argv, "--oracle"]) == 0
     assert "(done)" in capsys.readouterr().out and len(read_rows(out)) == len(rows)
+    # an --oracle run alone answers the full cache's row from the prefill its oracle read: the same answer
+    alone = tmp_path / "alone.csv"
+    assert needle_stages.main([*argv[:-7], "--out", str(alone), *argv[-5:], "--oracle"]) == 0
+    assert [(r["stage"], r["answer"]) for r in read_rows(alone)][:1] == [("full", rows[0]["answer"])]
     # the layer sweep and one layer's heads (their teacher-forced queries are the oracle's)
     assert needle_stages.main(["--model", str(tmp_path / "model"), "--articles", str(articles), "--length", "300",
                                "--seed", "0", "--depth", "0.5", "--ratio", "0.25", "--layer", "1",

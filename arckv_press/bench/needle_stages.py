@@ -281,14 +281,13 @@ def _stage_ladder(model, tok, args) -> int:
     print(f"{'seed':>4} {'depth':>5}  " + "  ".join(f"{name:>14}" for name in ("full", *dict(stages))))
     for seed, depth in tqdm(cases, desc="cases", disable=len(cases) < 2):
         needle, context, ids, P, positions = _case(tok, args, seed, depth)
-        oracle, own, ranks = None, {}, []
-        if args.oracle:
+        oracle, own, ranks, full = None, {}, [], None
+        if args.oracle:  # its full cache also answers the "full" row (question_queries reads a copy)
             with torch.inference_mode():
                 full = prefill(model, ids, new_cache(model))
             Q = question_queries(model, tok, full, needle, ids.shape[1], layers)
             oracle = {i: oracle_scores(Q[i], full.layers[i].keys[0], float(decoder_layers(model)[i].self_attn.scaling))
                       [:, P:] for i in layers}
-            del full
         cells, rows, anchors = [], [], None
         for name, stage in (("full", None), *stages):
             options = stage_options(args.options, stage or {})
@@ -302,7 +301,7 @@ def _stage_ladder(model, tok, args) -> int:
                 continue
             with torch.inference_mode():
                 if stage is None:
-                    cc = prefill(model, ids, new_cache(model))
+                    cc, full = (full if full is not None else prefill(model, ids, new_cache(model))), None
                 else:
                     with scores_of_the_pass(oracle, own):
                         cc = compact(model, tok, context, method=args.method, ratio=args.ratio, **options)
