@@ -172,6 +172,33 @@ def test_oracle_scores_and_ranks_against_brute_force():
         oracle_scores(torch.randn(3, 1, D), K, 1.0)
 
 
+def test_copy_queries_are_the_queries_of_one_forward_of_the_repeat_input(tiny_model, tiny_tokenizer):
+    """The copy's queries equal those a plain forward of context + repeat instruction + document
+    gives at the document's rows, and the cache holds the context alone afterwards."""
+    from transformers import DynamicCache
+
+    from arckv_press.bench.needle_stages import copy_queries
+    from arckv_press.capture import (CapturedQueries, QueryCapture, encode_document, framing_for, prefill,
+                                     repeat_span)
+
+    model, tok = tiny_model("llama", num_layers=2), tiny_tokenizer()
+    ids, P = encode_document(tok, "the access code for the north gate is 4711 and some filler " * 5)
+    doc = ids[:, P:]
+    with torch.inference_mode():
+        full = prefill(model, ids, DynamicCache(config=model.config))
+        got = copy_queries(model, tok, full, doc, [0, 1])
+        assert full.get_seq_length() == ids.shape[1]
+        _, n, rep = repeat_span(tok, doc, framing_for(tok).suffix_ids, 0, doc.shape[1])
+        store = CapturedQueries()
+        with QueryCapture(model, [0, 1], store) as cap:
+            end = ids.shape[1] + rep.shape[1]
+            cap.rows = torch.arange(end - n, end)  # rows of this forward's input
+            model.model(input_ids=torch.cat([ids, rep], 1))
+    for i in (0, 1):
+        assert got[i].shape == (model.config.num_attention_heads, doc.shape[1], got[i].shape[-1])
+        torch.testing.assert_close(got[i], store.layer(i)[1], atol=1e-5, rtol=1e-4)
+
+
 def test_scores_of_the_pass_reports_and_replaces_the_scores_selection_reads(tiny_model, tiny_tokenizer):
     """Without a replacement the compact cache is the one of a plain run and ``seen`` holds the
     pass's scores, whose top-t are the kept positions; with one, each head keeps the top-t of the
@@ -235,7 +262,7 @@ def test_oracle_ladder_rows_sit_beside_the_methods_and_resume(tiny_model, tmp_pa
     assert needle_stages.main(argv) == 0
     assert needle_stages.main([*argv, "--oracle"]) == 0
     printed = capsys.readouterr().out
-    assert "by the oracle's" in printed
+    assert "by the oracle's" in printed and "by the copy's rows at the needle" in printed
     rows = read_rows(out)
     assert [(r["stage"], r["anchors"]) for r in rows] == [
         ("full", ""), ("evict", "method"), ("+merge", "method"), ("evict", "oracle"), ("+merge", "oracle")]

@@ -32,7 +32,10 @@ positions the question's own queries read most (:func:`oracle_scores`: teacher-f
 answer on the full cache, each key's largest attention probability over them), top-t under the
 global budgets those scores give. No compactor can know these; they bound what selection alone can
 win, and show whether the stages after selection keep a needle that is among the anchors. It also
-prints each compacted head's ranks of the needle's tokens by the method's own scores and by the oracle's.
+prints each compacted head's ranks of the needle's tokens by the method's own scores and by the oracle's,
+and, to see which queries read the needle, by the question's rows alone and the answer's rows alone
+(the oracle split in two) and by the repeat-prefill's copy (:func:`copy_queries`): its largest
+attention over every copied row, and over the rows that copy the needle itself.
 
 Prints only, except ``--stages --out``, which appends one row per case and stage to a CSV
 (resumable: cases already there are skipped).
@@ -48,7 +51,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["value_positions", "swap_layers", "layer_sweep", "head_report", "STAGES", "stage_options", "needle_kept",
-           "oracle_scores", "score_ranks", "question_queries", "scores_of_the_pass", "main"]
+           "oracle_scores", "score_ranks", "question_queries", "copy_queries", "scores_of_the_pass", "main"]
 
 # One step of the method added per stage, on the same anchors (the options a stage sets over the run's own)
 STAGES: tuple[tuple[str, dict], ...] = (
@@ -156,6 +159,18 @@ def question_queries(model, tok, full, needle, n_ctx: int, layers: list[int]) ->
     return {i: torch.cat(store.q[i], 1) for i in layers}
 
 
+@torch.no_grad()
+def copy_queries(model, tok, full, doc_ids: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
+    """Post-RoPE queries ``[Hq, T, D]`` of ``layers`` at every position of the repeat-prefill's copy of
+    the document ``doc_ids [1, T]`` (the reference rows, paper Sec. "Reference-query pool"), on the
+    ``full`` cache of context + document (restored afterwards)."""
+    from arckv_press.capture import framing_for, repeat_prefill
+
+    store = repeat_prefill(model, tok, full, doc_ids, framing_for(tok).suffix_ids, list(layers),
+                           torch.arange(doc_ids.shape[-1]))
+    return {i: store.layer(i)[1] for i in layers}
+
+
 @contextlib.contextmanager
 def scores_of_the_pass(replace: dict[int, torch.Tensor] | None = None, seen: dict | None = None):
     """Diagnostics only: while active, the anchor scores :func:`arckv_press.api.compact` selects by
@@ -261,7 +276,7 @@ def _stage_ladder(model, tok, args) -> int:
 
     from arckv_press.api import compact
     from arckv_press.cache import new_cache
-    from arckv_press.capture import decoder_layers, prefill
+    from arckv_press.capture import prefill
     from arckv_press.config import CompactionConfig, config_id
     from arckv_press.generation import answer
     from arckv_press.models import describe_attention_layout, model_id
@@ -286,8 +301,8 @@ def _stage_ladder(model, tok, args) -> int:
             with torch.inference_mode():
                 full = prefill(model, ids, new_cache(model))
             Q = question_queries(model, tok, full, needle, ids.shape[1], layers)
-            oracle = {i: oracle_scores(Q[i], full.layers[i].keys[0], float(decoder_layers(model)[i].self_attn.scaling))
-                      [:, P:] for i in layers}
+            oracle = {i: oracle_scores(Q[i], full.layers[i].keys[0], _scaling(model, i))[:, P:] for i in layers}
+            readers = _reader_ranks(model, tok, full, needle, ids, P, positions, layers, Q)
         cells, rows, anchors = [], [], None
         for name, stage in (("full", None), *stages):
             options = stage_options(args.options, stage or {})
@@ -318,7 +333,7 @@ def _stage_ladder(model, tok, args) -> int:
                 anchors = cc.kept_positions
                 ranks = [f"layer {i}: kept {[int((r >= 0).sum()) for r in cc.kept_positions[i]]}, needle ranks by "
                          f"the method's scores {score_ranks(own[i], positions)}"
-                         + (f", by the oracle's {score_ranks(oracle[i], positions)}" if oracle else "")
+                         + (f", by the oracle's {score_ranks(oracle[i], positions)}; {readers[i]}" if oracle else "")
                          for i in layers if own.get(i) is not None]
             elif any(not torch.equal(anchors[i], cc.kept_positions[i]) for i in anchors):
                 raise RuntimeError(f"stage {name!r} kept other positions than stage {stages[0][0]!r}: the stages "
@@ -338,6 +353,32 @@ def _stage_ladder(model, tok, args) -> int:
         if args.out is not None and rows:
             append_rows(args.out, rows, list(rows[0]))
     return 0
+
+
+def _scaling(model, i: int) -> float:
+    from arckv_press.capture import decoder_layers
+
+    return float(decoder_layers(model)[i].self_attn.scaling)
+
+
+def _reader_ranks(model, tok, full, needle, ids, P: int, positions: list[int], layers, Q) -> dict[int, str]:
+    """Per layer, the needle's ranks by the oracle's two parts (the question's rows, the answer's rows:
+    ``Q`` of :func:`question_queries`) and by the copy's rows (:func:`copy_queries`): all of them, and
+    those that copy the needle (from three positions before its first token to its last)."""
+    from arckv_press.framing import question_ids
+
+    n_question = len(question_ids(tok, needle.question, needle.prefix()))
+    with torch.inference_mode():
+        C = copy_queries(model, tok, full, ids[:, P:], layers)
+    at = slice(max(0, positions[0] - 3), positions[-1] + 1)
+    out = {}
+    for i in layers:
+        K, s = full.layers[i].keys[0], _scaling(model, i)
+        ranks = {name: score_ranks(oracle_scores(q, K, s)[:, P:], positions) for name, q in (
+            ("question's rows", Q[i][:, :n_question]), ("answer's rows", Q[i][:, n_question:]),
+            ("copy's rows", C[i]), ("copy's rows at the needle", C[i][:, at]))}
+        out[i] = ", ".join(f"by the {name} {r}" for name, r in ranks.items())
+    return out
 
 
 def _layer_sweep(model, tok, args) -> int:
