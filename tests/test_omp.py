@@ -459,6 +459,40 @@ def test_omp_anchors_are_the_am_search_and_fill_budgets_beyond_the_rows_with_top
     assert len(set(got)) == 20 and set(got) == set(first) | set(rest)
 
 
+def test_omp_anchors_search_half_the_rows_where_the_mass_fit_overflows(monkeypatch):
+    """Where OMP's mass fit overflows (a head asking for about as many keys as rows; here raised by a
+    stand-in for every search beyond half the rows), each head's search is capped at ``n // 2`` and the
+    rest of its budget is the best-scored positions OMP left (brute force), no duplicates; a search
+    that fits is not retried."""
+    import arckv_press.compaction.layer as layer_mod
+    from arckv_press.compaction.omp import OMPOverflowError
+
+    Q, K, _ = _random_qk(11, H=3, n=12, T=40, D=8, dtype=torch.float32)
+    scores = torch.rand(3, 40, generator=torch.Generator().manual_seed(2))
+    seen = []
+
+    def overflowing(rows, keys, budgets, *args):
+        seen.append(budgets.tolist())
+        if int(budgets.max()) > rows.shape[1] // 2:
+            raise OMPOverflowError("stand-in")
+        return omp_select(rows, keys, budgets, *args)
+
+    monkeypatch.setattr(layer_mod, "omp_select", overflowing)
+    budgets = torch.tensor([5, 12, 9])
+    idx, valid = layer_mod.omp_anchors(Q, K, budgets, 0.3, "omp", scores)
+    assert seen == [[5, 12, 9], [5, 6, 6]]
+    half, half_valid, _ = omp_select(Q, K, torch.tensor([5, 6, 6]), 0.3, AM_OMP)
+    assert valid.sum(-1).tolist() == [5, 12, 9]
+    for h, t in enumerate((5, 12, 9)):
+        first = half[h, half_valid[h]].tolist()
+        rest = [j for j in sorted(range(40), key=lambda j: (-float(scores[h, j]), j)) if j not in first][:t - len(first)]
+        got = idx[h, valid[h]].tolist()
+        assert len(set(got)) == t and set(got) == set(first) | set(rest)
+    seen.clear()
+    idx, valid = layer_mod.omp_anchors(Q, K, torch.tensor([5, 6, 3]), 0.3, "omp", scores)
+    assert seen == [[5, 6, 3]]
+
+
 def test_layer_step_searches_omp_anchors_on_its_budget_rows():
     """The compaction's layer step with ``anchor_search="omp"`` takes OMP's anchors on its budget
     rows (all query heads of each position, GQA layout), not on the whole pool."""

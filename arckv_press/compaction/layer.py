@@ -25,7 +25,7 @@ import torch
 from arckv_press.compaction.chunks import chunk_bounds, chunk_budgets, rest_of_chunk
 from arckv_press.compaction.fit import FitConfig, attention_lse, compact_logits, fit_beta, fit_values
 from arckv_press.compaction.merge import assign_to_anchors, check_anchors, merge_keys
-from arckv_press.compaction.omp import AM_OMP, AM_OMP_FAST, am_compact, omp_select
+from arckv_press.compaction.omp import AM_OMP, AM_OMP_FAST, OMPOverflowError, am_compact, omp_select
 from arckv_press.compaction.select import chunked_topk_anchors, ha_scores, topk_anchors, vi_scores
 from arckv_press.compaction.stats import ReferenceStats
 from arckv_press.compaction.witness import block_witnesses, head_fit_rows
@@ -132,7 +132,9 @@ def omp_anchors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchors ``idx, valid [H, t_max]`` of ``anchor_search`` ``"omp"`` / ``"omp-fast"``: Attention
     Matching's greedy search (:func:`~.omp.omp_select`) on the reference ``rows [H, n, D]`` for each
-    head's first ``min(t_h, n)`` anchors (its mass least squares needs at least as many rows as keys);
+    head's first ``min(t_h, n)`` anchors (its mass least squares needs at least as many rows as keys;
+    where it is near-singular even so, :class:`~.omp.OMPOverflowError`, every head's search is capped at
+    ``n // 2`` instead);
     a head whose budget exceeds ``n`` takes the rest as the top of the pooled scores (Eq.
     (indexer_pooling)) among the positions the search left. ``scores``: ``[H, T]`` or a function
     returning them, called only then.
@@ -172,7 +174,11 @@ def _omp_span(rows, K, budgets, scaling, search, scores, row_max):
     document's ``row_max``)."""
     H, T = K.shape[:2]
     capped = budgets.clamp_max(rows.shape[1])
-    idx, valid, _ = omp_select(rows, K, capped, scaling, ANCHOR_SEARCHES[search], row_max)
+    try:
+        idx, valid, _ = omp_select(rows, K, capped, scaling, ANCHOR_SEARCHES[search], row_max)
+    except OMPOverflowError:  # a head asked for about as many keys as there are rows: its mass fit is
+        capped = budgets.clamp_max(max(1, rows.shape[1] // 2))  # near-singular; search half, score the rest
+        idx, valid, _ = omp_select(rows, K, capped, scaling, ANCHOR_SEARCHES[search], row_max)
     extra = budgets - capped
     heads = (extra > 0).nonzero().flatten()
     if not heads.numel():

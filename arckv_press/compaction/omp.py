@@ -75,6 +75,7 @@ from .fit import FitConfig, fit_values
 
 __all__ = [
     "AM_PROGRESSIVE_SCHEDULE",
+    "OMPOverflowError",
     "OMPConfig",
     "HAConfig",
     "AM_OMP",
@@ -92,6 +93,11 @@ ScheduleEntry = tuple[int | None, int, int]
 AM_PROGRESSIVE_SCHEDULE: tuple[ScheduleEntry, ...] = ((300, 1, 1), (1500, 2, 2), (None, 4, 2))
 
 _F64 = torch.float64
+
+
+class OMPOverflowError(RuntimeError):
+    """OMP's mass weights (Eq. (mass_fit) on the selected keys) overflowed: a head's least squares is
+    near-singular, as when it asks for about as many keys as there are reference rows."""
 
 
 @dataclass(frozen=True)
@@ -384,7 +390,7 @@ class _OMPState:
         L, y = self._sub(self.L, heads), self._sub(self.y, heads)
         w_ls = torch.linalg.solve_triangular(L.mT, y[:, :, None], upper=True)[:, :, 0]
         if not bool(torch.isfinite(w_ls).all()):
-            raise RuntimeError("OMP: the mass weights overflowed (near-singular least squares); keep fewer keys")
+            raise OMPOverflowError("OMP: the mass weights overflowed (near-singular least squares); keep fewer keys")
         filled = self.slot < count[:, None]
         w_fit = torch.where(filled, w_ls.clamp(self.cfg.w_min, self.cfg.w_max), 0.0)
         w_lazy = torch.where(self.slot < count0[:, None], self.w[heads], torch.where(filled, self.cfg.w_min, 0.0))
