@@ -25,7 +25,7 @@ from arckv_press import __version__
 from arckv_press.attention import enable_compact_attention
 from arckv_press.cache import CacheMetadata, CompactCache, CompactLayer, cache_nbytes, new_cache, pack_heads
 from arckv_press.capture import (check_context_positions, encode_document, framing_for, prefill, repeat_prefill,
-                                  repeat_prefill_stats)
+                                  repeat_prefill_stats, softmax_scale)
 from arckv_press.compaction.layer import compact_layer, compact_layer_from_stats
 from arckv_press.compaction.reference import group_activations, group_queries_by_kv_head, grouped_rows, subsample_rows
 from arckv_press.compaction.select import corrected_scores, global_budgets, per_head_budgets
@@ -312,7 +312,7 @@ def _compact_fused(run: _Run, indexer, budgets: torch.Tensor, base_pos: torch.Te
     for li, i in enumerate(layers):
         K, V = run.kv(i)
         res = compact_layer_from_stats(K, V, queries.pop(i), cap.stats.pop(i), budgets[li].to(K.device),
-                                       _scaling(run.model, i), run.method, base_rows, merge_rows, scores.pop(i))
+                                       softmax_scale(run.model, i), run.method, base_rows, merge_rows, scores.pop(i))
         results[i] = res
         n_rows = max(n_rows, res.fit_rows)
         run.add(res.timings)
@@ -337,7 +337,7 @@ def selection_scores(run: _Run, indexer, selector: str, cap, queries: dict[int, 
             Q = queries[i][:, score_rows.to(K.device)]
             if config.corrected_scores:
                 sample, sample_base = indexer.scores(i, group_activations(X, G), Q, K, V, pooling=config.pooling,
-                                                     base=True, base_scale=_scaling(run.model, i))
+                                                     base=True, base_scale=softmax_scale(run.model, i))
                 scores[i] = corrected_scores(cap.stats[i].scores, sample, sample_base, config.pooling,
                                              SCORE_SHRINK, Q.shape[1] / queries[i].shape[1])
             else:
@@ -372,9 +372,9 @@ def _control_selector(indexer, model, layers) -> str:
     pass and the indexer would pool different bases)."""
     cfg = indexer.config
     for i in layers:
-        if cfg.base_logit_scale is not None and not math.isclose(cfg.base_logit_scale, _scaling(model, i), rel_tol=1e-6):
+        if cfg.base_logit_scale is not None and not math.isclose(cfg.base_logit_scale, softmax_scale(model, i), rel_tol=1e-6):
             raise ValueError(f"corrected indexer scores (indexer_rows a row count): the indexer's base_logit_scale {cfg.base_logit_scale} is not "
-                             f"the model's softmax scale {_scaling(model, i)} (layer {i})")
+                             f"the model's softmax scale {softmax_scale(model, i)} (layer {i})")
     return "vi" if cfg.base_value_influence else "ha"
 
 
@@ -395,7 +395,7 @@ def _compact_am(run: _Run, budgets: torch.Tensor, repeat_pos: torch.Tensor):
         K, V = run.kv(layer_idx)
         x, q = store.layer(layer_idx)
         res = compact_layer(K, V, group_queries_by_kv_head(q[None], run.H), budgets[li].to(K.device),
-                            _scaling(run.model, layer_idx), run.method, X=group_activations(x, run.G),
+                            softmax_scale(run.model, layer_idx), run.method, X=group_activations(x, run.G),
                             layer_idx=layer_idx)
         results[layer_idx] = res
         n_rows = max(n_rows, res.fit_rows)
@@ -424,12 +424,6 @@ def _pack_layer(cache, layer_idx: int, prefix_len: int, T: int, H: int, res) -> 
         C_v, _ = pack_heads(res.C_v, res.valid)
     cache.layers[layer_idx] = CompactLayer(C_k.to(keys.dtype), beta, C_v.to(values.dtype), lengths, T, layer_idx,
                                            fixed_k, fixed_v)
-
-
-def _scaling(model, layer_idx: int) -> float:
-    from arckv_press.capture import decoder_layers
-
-    return float(decoder_layers(model)[layer_idx].self_attn.scaling)
 
 
 def _document_kv(cache, layer_idx: int, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,6 +43,7 @@ __all__ = [
     "QueryCapture",
     "StatsCapture",
     "decoder_layers",
+    "softmax_scale",
     "prefill",
     "repeat_prefill",
     "repeat_prefill_stats",
@@ -93,6 +94,11 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     inner = model.model
     inner = getattr(inner, "language_model", inner)
     return inner.layers
+
+
+def softmax_scale(model, layer_idx: int) -> float:
+    """The softmax scale of decoder layer ``layer_idx``'s attention (its ``self_attn.scaling``)."""
+    return float(decoder_layers(model)[layer_idx].self_attn.scaling)
 
 
 def _apply_rope(module: torch.nn.Module, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

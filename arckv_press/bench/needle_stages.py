@@ -276,7 +276,7 @@ def _stage_ladder(model, tok, args) -> int:
 
     from arckv_press.api import compact
     from arckv_press.cache import new_cache
-    from arckv_press.capture import prefill
+    from arckv_press.capture import prefill, softmax_scale
     from arckv_press.config import CompactionConfig, config_id
     from arckv_press.generation import answer
     from arckv_press.models import describe_attention_layout, model_id
@@ -301,7 +301,7 @@ def _stage_ladder(model, tok, args) -> int:
             with torch.inference_mode():
                 full = prefill(model, ids, new_cache(model))
             Q = question_queries(model, tok, full, needle, ids.shape[1], layers)
-            oracle = {i: oracle_scores(Q[i], full.layers[i].keys[0], _scaling(model, i))[:, P:] for i in layers}
+            oracle = {i: oracle_scores(Q[i], full.layers[i].keys[0], softmax_scale(model, i))[:, P:] for i in layers}
             readers = _reader_ranks(model, tok, full, needle, ids, P, positions, layers, Q)
         cells, rows, anchors = [], [], None
         for name, stage in (("full", None), *stages):
@@ -355,16 +355,11 @@ def _stage_ladder(model, tok, args) -> int:
     return 0
 
 
-def _scaling(model, i: int) -> float:
-    from arckv_press.capture import decoder_layers
-
-    return float(decoder_layers(model)[i].self_attn.scaling)
-
-
 def _reader_ranks(model, tok, full, needle, ids, P: int, positions: list[int], layers, Q) -> dict[int, str]:
     """Per layer, the needle's ranks by the oracle's two parts (the question's rows, the answer's rows:
     ``Q`` of :func:`question_queries`) and by the copy's rows (:func:`copy_queries`): all of them, and
     those that copy the needle (from three positions before its first token to its last)."""
+    from arckv_press.capture import softmax_scale
     from arckv_press.framing import question_ids
 
     n_question = len(question_ids(tok, needle.question, needle.prefix()))
@@ -373,7 +368,7 @@ def _reader_ranks(model, tok, full, needle, ids, P: int, positions: list[int], l
     at = slice(max(0, positions[0] - 3), positions[-1] + 1)
     out = {}
     for i in layers:
-        K, s = full.layers[i].keys[0], _scaling(model, i)
+        K, s = full.layers[i].keys[0], softmax_scale(model, i)
         ranks = {name: score_ranks(oracle_scores(q, K, s)[:, P:], positions) for name, q in (
             ("question's rows", Q[i][:, :n_question]), ("answer's rows", Q[i][:, n_question:]),
             ("copy's rows", C[i]), ("copy's rows at the needle", C[i][:, at]))}
@@ -384,7 +379,7 @@ def _reader_ranks(model, tok, full, needle, ids, P: int, positions: list[int], l
 def _layer_sweep(model, tok, args) -> int:
     from arckv_press.api import compact
     from arckv_press.cache import new_cache
-    from arckv_press.capture import decoder_layers, prefill
+    from arckv_press.capture import prefill, softmax_scale
     from arckv_press.generation import answer
 
     needle, context, ids, P, positions = _case(tok, args, args.seed, args.depth)
@@ -415,7 +410,7 @@ def _layer_sweep(model, tok, args) -> int:
         # the answer prefix's last token and the answer
         K = full.layers[args.layer].keys[0, :, P:]
         V = full.layers[args.layer].values[0, :, P:]
-        scaling = float(decoder_layers(model)[args.layer].self_attn.scaling)
+        scaling = softmax_scale(model, args.layer)
         print(f"\nlayer {args.layer}: the answer's queries (one value per token)")
         for row in head_report(compact_cache.layers[args.layer], Q, K, V, scaling, positions):
             print(f"  q head {row['q_head']} (KV head {row['kv_head']}, {row['kept']} kept): needle mass "
